@@ -1,0 +1,67 @@
+"""Advantage estimators: the only thing REINFORCE, PPO, GRPO and RLOO disagree on.
+
+Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
+pure (writes nothing onto the batch), zero wherever batch.mask is zero. Hyper-parameters bind by
+name from the Config. A new algorithm is one function and one entry in ESTIMATORS.
+"""
+import torch
+
+from utils import discounted_returns, gae, whiten
+
+
+def reinforce(batch, policy, gamma):
+    """A_t = G_t = sum_k gamma^k r_{t+k}, the return-to-go (Williams 1992; no baseline)."""
+    return discounted_returns(batch.rewards, batch.mask, gamma), None
+
+
+def reinforce_baseline(batch, policy, gamma):
+    """A_t = (G_t - mean G) / std G over all masked steps of the batch: a constant baseline, whitened."""
+    return whiten(discounted_returns(batch.rewards, batch.mask, gamma), batch.mask), None
+
+
+@torch.no_grad()
+def ppo(batch, policy, gamma, lam):
+    """A = whiten(GAE(gamma, lam)) under the critic that sampled; critic target = GAE + V, computed
+    once here (no value clipping). Truncated rows bootstrap from V(final state)."""
+    values = policy.value(batch.states)                                      # [N, T]
+    boot = policy.value(batch.final_states[:, None])[:, 0] * batch.truncated  # [N]
+    adv = gae(batch.rewards, values, batch.mask, gamma, lam, boot)            # [N, T]
+    return whiten(adv, batch.mask), (adv + values) * batch.mask
+
+
+def _group_check(batch):
+    if batch.group_size < 2:
+        raise ValueError("group baselines need --group-size >= 2 (a group of one is its own "
+                         "baseline, so every advantage would be 0): use --group-size 8")
+
+
+def _per_token(A, batch):
+    """[n_prompts, G] sequence advantages -> [N, T], broadcast over each row's masked steps.
+    A group whose rewards are all equal gets exactly 0 (not a float residue of mean - x)."""
+    R = batch.grouped_rewards()                                              # [n_prompts, G]
+    A = torch.where((R == R[:, :1]).all(1, keepdim=True), 0.0, A)
+    return A.reshape(-1, 1) * batch.mask                                     # [N, T]
+
+
+def grpo(batch, policy, std_norm):
+    """A_i = (R_i - mean R_group) / (std R_group + 1e-6), std unbiased (Shao et al. 2024).
+    std_norm=False is Dr. GRPO's estimator (Liu et al. 2025): A_i = R_i - mean R_group."""
+    _group_check(batch)
+    R = batch.grouped_rewards()                                              # [n_prompts, G]
+    A = R - R.mean(1, keepdim=True)
+    if std_norm:
+        A = A / (R.std(1, keepdim=True) + 1e-6)
+    return _per_token(A, batch), None
+
+
+def rloo(batch, policy):
+    """A_i = R_i - mean of the other G-1 rewards of its group (Ahmadian et al. 2024)."""
+    _group_check(batch)
+    R, G = batch.grouped_rewards(), batch.group_size                        # [n_prompts, G]
+    return _per_token(R - (R.sum(1, keepdim=True) - R) / (G - 1), batch), None
+
+
+ESTIMATORS = dict(reinforce=reinforce, reinforce_baseline=reinforce_baseline, ppo=ppo,
+                  grpo=grpo, rloo=rloo)
+GROUP_ESTIMATORS = {"grpo", "rloo"}
+NEEDS_CRITIC = {"ppo"}

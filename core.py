@@ -1,0 +1,89 @@
+"""The data that flows: a Trajectory is one rollout, a Batch is their right-padded stack.
+
+Invariant: padding is exactly 0 in every [N, T] field, and the rows of one group are contiguous,
+so the group axis is a plain reshape [N] -> [n_prompts, G].
+
+Shapes, used everywhere:  N = n_prompts * G rows, G = group_size, T = padded length,
+O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch.
+Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
+LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
+mask 1 on completion tokens (stop token included); the scalar reward sits on the last one.
+"""
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class Trajectory:
+    states: torch.Tensor            # [T, O] observations, or [T] token ids
+    actions: torch.Tensor           # [T] long
+    logp: torch.Tensor              # [T] sampler's log-probs (0 where mask is 0)
+    rewards: torch.Tensor           # [T]
+    mask: torch.Tensor              # [T] 1 where the policy acted and is trained
+    truncated: bool = False         # stopped by a budget, not by the task: bootstrap, don't terminate
+    final_state: torch.Tensor | None = None  # [O] state after the last step (critic bootstrap)
+
+
+@dataclass
+class Batch:
+    states: torch.Tensor            # [N, T, O] or [N, T]
+    actions: torch.Tensor           # [N, T]
+    logp: torch.Tensor              # [N, T] sampler's log-probs: logged against ours, never trained on
+    rewards: torch.Tensor           # [N, T]
+    mask: torch.Tensor              # [N, T] float
+    truncated: torch.Tensor         # [N] bool
+    group_id: torch.Tensor          # [N] long: row i belongs to prompt group_id[i]
+    final_states: torch.Tensor | None  # [N, O] or None
+    group_size: int
+    version: int = 0                # weights version that sampled this batch (async)
+
+    @staticmethod
+    def from_groups(groups: list[list[Trajectory]], version: int = 0) -> "Batch":
+        G = len(groups[0])
+        assert all(len(g) == G for g in groups), "every group needs the same size"
+        rows = [tr for g in groups for tr in g]
+        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # zero right-pad
+        has_final = rows[0].final_state is not None
+        return Batch(
+            states=pad([tr.states for tr in rows]),                        # [N, T, O] or [N, T]
+            actions=pad([tr.actions for tr in rows]),                      # [N, T]
+            logp=pad([tr.logp for tr in rows]),                            # [N, T]
+            rewards=pad([tr.rewards for tr in rows]),                      # [N, T]
+            mask=pad([tr.mask.float() for tr in rows]),                    # [N, T]
+            truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
+            group_id=torch.arange(len(groups)).repeat_interleave(G),       # [N]
+            final_states=torch.stack([tr.final_state for tr in rows]) if has_final else None,
+            group_size=G, version=version)
+
+    def __len__(self) -> int:
+        return self.actions.shape[0]
+
+    @property
+    def n_prompts(self) -> int:
+        return len(self) // self.group_size
+
+    def _map(self, fn) -> "Batch":
+        """Apply fn to every tensor field (all of them are per-row), keep the rest."""
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def to(self, device) -> "Batch":
+        return self._map(lambda x: x.to(device))
+
+    def __getitem__(self, rows: slice) -> "Batch":
+        return self._map(lambda x: x[rows])
+
+    def micro_batches(self, size: int) -> list[slice]:
+        """Row slices of at most `size` rows (0: one slice). Slice the batch and its advantages alike."""
+        size = size or len(self)
+        return [slice(i, i + size) for i in range(0, len(self), size)]
+
+    def row_rewards(self) -> torch.Tensor:
+        return self.rewards.sum(1)                                          # [N]
+
+    def grouped_rewards(self) -> torch.Tensor:
+        return self.row_rewards().view(self.n_prompts, self.group_size)     # [n_prompts, G]
+
+    def lengths(self) -> torch.Tensor:
+        return self.mask.sum(1)                                             # [N]

@@ -1,0 +1,50 @@
+"""CartPole speed: wall time from process start to the first greedy held-out return of 500.
+
+    python tests/bench_cartpole.py [--seeds 3] [--algos reinforce,ppo]
+
+Runs every configs/cartpole_*.yaml as a fresh process per seed, one at a time (the machine is
+small: parallel runs would time each other). Prints a table; asserts nothing about speed.
+"""
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLVED = re.compile(r"solved: .* at step (\d+), ([\d.]+) s after process start, (\d+) env steps")
+
+
+def run(config, seed, out):
+    t0 = time.time()
+    p = subprocess.run([sys.executable, "train.py", "--config", config, "--seed", str(seed), "--out", out],
+                       cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - t0
+    m = SOLVED.search(p.stdout)
+    return (float(m[2]), wall, int(m[1]), int(m[3])) if m else (None, wall, None, None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--algos", default="reinforce,reinforce_baseline,ppo,grpo,rloo")
+    args = ap.parse_args()
+    print("time to solve: process start -> first greedy held-out return of 500 (train.py's own clock);")
+    print("wall: the whole process, interpreter start to exit. Medians over seeds 0..n-1.")
+    print(f"{'config':41} {'solved':>6} {'to solve s':>10} {'per seed':>15} {'wall s':>7} {'steps':>6} {'env steps':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in args.algos.split(","):
+            cfg = f"configs/cartpole_{algo}.yaml"
+            runs = [run(cfg, s, os.path.join(tmp, f"{algo}{s}")) for s in range(args.seeds)]
+            ok = [r for r in runs if r[0] is not None]
+            med = lambda i: statistics.median(r[i] for r in ok) if ok else float("nan")
+            seeds = " ".join(f"{r[0]:.1f}" if r[0] else "fail" for r in runs)
+            print(f"{cfg:41} {len(ok)}/{len(runs):<4} {med(0):10.1f} {seeds:>15} {med(1):7.1f} {med(2):6.0f} "
+                  f"{med(3):9.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

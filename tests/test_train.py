@@ -1,0 +1,159 @@
+"""The update's invariants, the loop's behaviour (solves, resumes exactly), and every bad input."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import algos
+from model import MLPPolicy
+from tasks import CartPole
+from train import Config, parse_config, read_yaml, train, update, validate
+from utils import Adam
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def setup(algo="ppo", seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = Config(algo=algo, group_size=2, max_grad_norm=0.0, **kw)
+    task = CartPole()
+    policy = MLPPolicy(4, 2, 16, critic=algo == "ppo", reference=cfg.kl_coef > 0)
+    batch = task.rollout(policy, [11, 12, 13], group_size=2)                # N = 6 rows of uneven length
+    fn = algos.ESTIMATORS[algo]
+    hp = {"ppo": dict(gamma=0.99, lam=0.95), "grpo": dict(std_norm=True)}.get(algo, dict(gamma=0.99))
+    adv, target = fn(batch, policy, **hp)
+    return cfg, task, policy, batch, adv, target
+
+
+def grads_after(policy, cfg, batch, adv, target, max_len=500):
+    policy = copy.deepcopy(policy)
+    opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
+    stats = update(policy, opt, batch, adv, target, cfg, max_len)
+    return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats
+
+
+def test_ratio_is_exactly_one_on_the_first_epoch_and_moves_after():
+    cfg, task, policy, batch, adv, target = setup("ppo", ent_coef=0.01)
+    _, stats = grads_after(policy, cfg, batch, adv, target)
+    assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0 and stats["logp_gap"] < 1e-6
+    cfg.inner_epochs = 3
+    _, stats = grads_after(policy, cfg, batch, adv, target)
+    assert stats["ratio"] != 1.0                                          # epoch 3 sees moved weights
+
+
+@pytest.mark.parametrize("agg", ["token", "seq", "constant"])
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_micro_batched_gradient_equals_one_big_backward(algo, agg):
+    cfg, task, policy, batch, adv, target = setup(algo, loss_agg=agg, kl_coef=0.1, ent_coef=0.01)
+    big, _ = grads_after(policy, cfg, batch, adv, target)
+    cfg.micro_batch = 4                                                   # slices of 4 and 2 rows
+    small, _ = grads_after(policy, cfg, batch, adv, target)
+    assert len(big) == len(small) > 0
+    for a, b in zip(big, small):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
+    assert any(g.abs().sum() > 0 for g in big)                            # a real, non-zero gradient
+
+
+def test_non_finite_gradient_skips_the_update_and_keeps_weights():
+    cfg, task, policy, batch, adv, target = setup("reinforce")
+    adv = adv.clone()
+    adv[0, 0] = float("nan")
+    before = copy.deepcopy(policy.state_dict())
+    opt = Adam(list(policy.param_groups().values()), lr=0.1)
+    stats = update(policy, opt, batch, adv, target, cfg, 500)
+    assert stats["skipped"] == 1 and opt.t == 0
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def test_kl_against_the_reference_is_zero_before_any_update():
+    cfg, task, policy, batch, adv, target = setup("reinforce", kl_coef=0.5)
+    _, stats = grads_after(policy, cfg, batch, adv, target)
+    assert stats["kl"] == 0.0
+
+
+def quick(tmp_path, name, **kw):
+    return Config(**{"out": str(tmp_path / name), "eval_every": 0, "solve_at": 0.0, "n_prompts": 4, **kw})
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    for algo, extra in (("ppo", dict(inner_epochs=2)), ("grpo", dict(group_size=2))):
+        train(quick(tmp_path, f"full-{algo}", steps=6, algo=algo, **extra))
+        train(quick(tmp_path, f"part-{algo}", steps=3, algo=algo, **extra))
+        train(quick(tmp_path, f"part-{algo}", steps=6, algo=algo, resume=str(tmp_path / f"part-{algo}.pt"), **extra))
+        a, b = (torch.load(tmp_path / f"{n}-{algo}.pt") for n in ("full", "part"))
+        assert a["step"] == b["step"] == 6 and a["env_steps"] == b["env_steps"]
+        assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
+        assert all(torch.equal(x, y) for x, y in zip(a["optimizer"]["m"], b["optimizer"]["m"]))
+        rows = (tmp_path / f"part-{algo}.csv").read_text().splitlines()
+        assert len(rows) == 1 + 6 and rows[-1].startswith("6,")             # header + one row per step
+
+
+def test_default_run_solves_cartpole(tmp_path):
+    row = train(Config(out=str(tmp_path / "run")))
+    assert row["eval_return"] == 500.0
+    assert (tmp_path / "run.pt").exists() and (tmp_path / "run.csv").exists()
+
+
+def test_csv_has_the_documented_columns(tmp_path):
+    train(quick(tmp_path, "c", steps=2, eval_every=1))
+    header = (tmp_path / "c.csv").read_text().splitlines()[0].split(",")
+    for col in ["step", "reward", "eval_return", "loss", "pg_loss", "ratio", "clip_frac", "kl", "entropy",
+                "grad_norm", "step_s", "env_steps", "skipped"]:
+        assert col in header
+
+
+BAD = [
+    (dict(algo="a2c"), "--algo a2c is unknown"),
+    (dict(task="pong"), "--task pong is unknown"),
+    (dict(algo="grpo", group_size=1), "--algo grpo needs --group-size >= 2"),
+    (dict(algo="rloo"), "--algo rloo needs --group-size >= 2"),
+    (dict(model="gpt2"), "drop --model"),
+    (dict(loss_agg="mean"), "--loss-agg mean is unknown"),
+    (dict(inner_epochs=0), "--inner-epochs must be >= 1"),
+    (dict(micro_batch=-1), "--micro-batch must be >= 0"),
+    (dict(resume="/nonexistent/x.pt"), "--resume /nonexistent/x.pt: no such file"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[m for _, m in BAD])
+def test_bad_config_names_the_fix(kw, msg):
+    with pytest.raises(ValueError, match=msg.replace("+", r"\+")):
+        validate(Config(**kw))
+
+
+def test_n_prompts_must_split_over_ranks():
+    with pytest.raises(ValueError, match="--n-prompts 3 must be a positive multiple of the 2 ranks: use --n-prompts 2"):
+        validate(Config(n_prompts=3), world=2)
+
+
+def test_corrupt_or_mismatched_checkpoint(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ValueError, match="not a readable NanoRL checkpoint"):
+        train(quick(tmp_path, "x", steps=1, resume=str(bad)))
+    train(quick(tmp_path, "ok", steps=1))
+    with pytest.raises(ValueError, match="--lr 0.01 vs 0.02"):
+        train(quick(tmp_path, "ok", steps=2, lr=0.02, resume=str(tmp_path / "ok.pt")))
+
+
+def test_yaml_presets_and_flags(tmp_path):
+    y = tmp_path / "p.yaml"
+    y.write_text("algo: grpo\ngroup_size: 4\nlr: 1e-3\nstd_norm: false\n")
+    cfg = parse_config(["--config", str(y), "--group-size", "8"])
+    assert (cfg.algo, cfg.group_size, cfg.lr, cfg.std_norm) == ("grpo", 8, 0.001, False)  # flags win
+    assert parse_config(["--no-std-norm"]).std_norm is False
+    y.write_text("algo: grpo\ngroup_sise: 4\n")
+    with pytest.raises(ValueError, match=r"unknown: \['group_sise'\]"):
+        read_yaml(str(y))
+    y.write_text("steps: ten\n")
+    with pytest.raises(ValueError, match="steps: 'ten' is not a int"):
+        read_yaml(str(y))
+
+
+def test_cli_prints_the_error_not_a_traceback():
+    p = subprocess.run([sys.executable, "train.py", "--algo", "grpo"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.startswith("error: --algo grpo needs --group-size >= 2")
+    assert "Traceback" not in p.stderr

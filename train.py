@@ -1,0 +1,318 @@
+"""NanoRL: one policy-gradient loop for CartPole on a CPU and RL with verifiable rewards for LLMs.
+
+    loss = -(advantage * logprob).mean()   # + PPO ratio clip, + optional k3 KL, + critic loss (PPO)
+
+    python train.py                                        # CartPole, REINFORCE, 1 CPU, seconds
+    python train.py --config configs/cartpole_ppo.yaml     # PPO (GAE + critic)
+    torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
+
+REINFORCE, PPO, GRPO and RLOO differ only in the advantage (algos.py); everything else is this
+file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
+Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO
+mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
+target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
+run replays the same randomness without storing RNG state.
+"""
+import time
+
+T0 = time.time()  # "time to solve" is measured from here, before torch is imported
+
+import argparse  # noqa: E402
+import inspect  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from dataclasses import asdict, dataclass, field, fields  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
+from model import MLPPolicy  # noqa: E402
+from tasks import TASKS  # noqa: E402
+from utils import (Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed,  # noqa: E402
+                   masked_mean, masked_sum)
+
+
+def arg(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # what to train
+    task: str = arg("cartpole", f"task: {', '.join(TASKS)}")
+    algo: str = arg("reinforce", f"advantage estimator: {', '.join(ESTIMATORS)}")
+    model: str = arg("", "Hugging Face model id or local path (LLM tasks only)")
+    hidden: int = arg(64, "MLP width (control tasks)")
+    # the loop
+    steps: int = arg(300, "policy updates at most")
+    n_prompts: int = arg(32, "prompts per step over all ranks (control: initial states)")
+    group_size: int = arg(1, "samples per prompt; GRPO and RLOO need >= 2")
+    inner_epochs: int = arg(1, "optimizer steps per batch (1: ratio is exactly 1, on-policy)")
+    micro_batch: int = arg(0, "rows per forward/backward (0: the whole batch at once)")
+    # the loss
+    lr: float = arg(0.01, "Adam learning rate (actor and critic)")
+    max_grad_norm: float = arg(1.0, "clip each parameter group's grad norm to this (0: no clipping)")
+    clip_eps: float = arg(0.2, "PPO ratio clip: ratio in [1 - clip_eps, 1 + clip_eps_high]")
+    clip_eps_high: float = arg(0.0, "upper clip, DAPO's clip-higher (0: same as --clip-eps)")
+    loss_agg: str = arg("token", "token: mean over all tokens; seq: per-sequence mean, then mean "
+                                 "over sequences; constant: sum / (N * max length), Dr. GRPO")
+    ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
+    kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
+    vf_coef: float = arg(0.5, "critic loss weight (PPO)")
+    # advantages
+    gamma: float = arg(0.99, "discount (reinforce, reinforce_baseline, ppo)")
+    lam: float = arg(0.95, "GAE lambda (ppo)")
+    std_norm: bool = arg(True, "grpo: divide by the group std (--no-std-norm: Dr. GRPO)")
+    # evaluation, stopping, files
+    eval_every: int = arg(1, "greedy held-out evaluation every N steps (0: never)")
+    eval_episodes: int = arg(16, "held-out episodes / problems per evaluation")
+    solve_at: float = arg(500.0, "stop once the held-out metric reaches this (0: run all steps)")
+    seed: int = arg(0, "seed for prompts, sampling and initial weights")
+    out: str = arg("runs/run", "writes <out>.csv (one row per step) and <out>.pt (checkpoint)")
+    ckpt_every: int = arg(0, "also checkpoint every N steps (0: only at the end)")
+    config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
+    resume: str = arg("", "checkpoint to continue from (same settings; --steps may grow)")
+
+    @property
+    def is_llm(self) -> bool:
+        return self.task in TASKS and TASKS[self.task].is_llm
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_eps_high or self.clip_eps
+
+
+COLUMNS = ["step", "reward", "eval_return", "loss", "pg_loss", "vf_loss", "ratio", "clip_frac",
+           "kl", "entropy", "grad_norm", "skipped", "logp_gap", "step_s", "env_steps"]
+
+
+def train(cfg: Config) -> dict:
+    rank, world = init_distributed()
+    validate(cfg, world)
+    task = TASKS[cfg.task](eval_episodes=cfg.eval_episodes)
+    torch.manual_seed(cfg.seed)                         # same initial weights on every rank
+    policy = make_policy(cfg, task)
+    opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
+    state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
+    broadcast_params(policy)
+    log = Logger(cfg.out + ".csv", COLUMNS, resume=bool(cfg.resume), enabled=rank == 0)
+    estimator = ESTIMATORS[cfg.algo]
+    hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
+    row = {}
+    for step in range(state["step"] + 1, cfg.steps + 1):
+        t0 = time.time()
+        torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
+        # 1. rollout: the sync source; the async trainer swaps in its queue here
+        batch = sync_batch(task, policy, cfg, step, rank, world)
+        # 2. advantage: the only line that differs between algorithms
+        adv, target = estimator(batch, policy, **hparams)
+        # 3. update
+        stats = update(policy, opt, batch, adv, target, cfg, task.max_len)
+        # 4. log, evaluate, checkpoint
+        state = {"step": step, "env_steps": state["env_steps"] + int(all_sum(batch.mask.sum().item()))}
+        row = {"step": step, "reward": all_sum(batch.row_rewards().sum().item()) / all_sum(len(batch)),
+               **stats, "step_s": time.time() - t0, "env_steps": state["env_steps"]}
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            row.update(task.evaluate(policy))
+        log.log(row)
+        done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
+        if rank == 0 and (done or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+            save_checkpoint(cfg, policy, opt, state)
+        if done:
+            log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step {step}, "
+                     f"{time.time() - T0:.1f} s after process start, {state['env_steps']} env steps")
+            break
+    return row
+
+
+# ---- helpers, in the order the loop calls them ----
+
+def validate(cfg: Config, world: int = 1):
+    """Every user error, before any work; each message names the flag and the fix."""
+    errors = []
+    if cfg.task not in TASKS:
+        errors.append(f"--task {cfg.task} is unknown: use one of {', '.join(TASKS)}")
+    if cfg.algo not in ESTIMATORS:
+        errors.append(f"--algo {cfg.algo} is unknown: use one of {', '.join(ESTIMATORS)}")
+    if cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2:
+        errors.append(f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own "
+                      f"baseline, so every advantage is 0): use --group-size 8, or --algo reinforce")
+    if cfg.algo in NEEDS_CRITIC and cfg.is_llm:
+        errors.append(f"--algo {cfg.algo} needs a critic, which LLM policies do not have: "
+                      f"use --algo grpo or rloo")
+    if cfg.model and not cfg.is_llm:
+        errors.append(f"--model is for LLM tasks; --task {cfg.task} trains an MLP: drop --model")
+    if cfg.n_prompts < 1 or cfg.n_prompts % world:
+        errors.append(f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
+                      f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}")
+    if cfg.loss_agg not in ("token", "seq", "constant"):
+        errors.append(f"--loss-agg {cfg.loss_agg} is unknown: use token, seq or constant")
+    for name in ("steps", "group_size", "inner_epochs", "hidden"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every",
+                 "ckpt_every", "clip_eps_high"):
+        if getattr(cfg, name) < 0:
+            errors.append(f"--{name.replace('_', '-')} must be >= 0 (0 turns it off)")
+    if not (cfg.lr > 0 and 0 < cfg.clip_eps < 1 and 0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
+        errors.append("need --lr > 0, 0 < --clip-eps < 1, and --gamma, --lam in [0, 1]")
+    if cfg.resume and not os.path.isfile(cfg.resume):
+        errors.append(f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)")
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
+def make_policy(cfg: Config, task):
+    return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
+                     reference=cfg.kl_coef > 0)
+
+
+def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
+    """Where batches come from in sync mode: this rank's share of the step's prompts, rolled out
+    under the current weights. Prompts depend on (seed, step) only, so ranks shard one global set."""
+    prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
+    return task.rollout(policy, prompts[rank::world], cfg.group_size)
+
+
+def aggregate(x, mask, agg, denom):
+    """Sum of x [mb, T] over the mask divided by a global denominator, so the sum over
+    micro-batches and ranks is the full-batch loss. seq: each row first divided by its length."""
+    if agg == "seq":
+        x = x / mask.sum(1, keepdim=True).clamp(min=1)
+    return masked_sum(x, mask) / denom
+
+
+def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
+    """PPO's clipped surrogate (Schulman 2017); with one epoch ratio == 1 and it is REINFORCE's
+    -(A * logp). All inputs [mb, T] -> (scalar loss, ratio [mb, T])."""
+    ratio = torch.exp(logp - old_logp)
+    surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+    return aggregate(-surrogate, mask, agg, denom), ratio
+
+
+STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap"]
+
+
+def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None):
+    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks.
+    old_logp None: the current weights sampled the batch (sync), so epoch 0's own log-probs,
+    detached, are the exact old log-probs: no extra forward. -> dict of logged metrics."""
+    mbs = batch.micro_batches(cfg.micro_batch)
+    n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
+    denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
+    old = list(old_logp) if old_logp is not None else [None] * len(mbs)
+    ref = [policy.ref_logprobs(batch[s]) if cfg.kl_coef else None for s in mbs]
+    groups = policy.param_groups()
+    skipped = 0
+    for epoch in range(cfg.inner_epochs):
+        opt.zero_grad()
+        sums = dict.fromkeys(STATS, 0.0)
+        for i, s in enumerate(mbs):
+            mb, a, m = batch[s], adv[s], batch.mask[s]
+            logp, ent = policy.logprobs(mb, entropy=True)                    # [mb, T] each
+            if old[i] is None:
+                old[i] = logp.detach()
+            pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
+            loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom)
+            kl = torch.zeros_like(logp)
+            if ref[i] is not None:                      # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
+                d = ref[i] - logp
+                kl = torch.exp(d) - d - 1
+                loss = loss + cfg.kl_coef * aggregate(kl, m, cfg.loss_agg, denom)
+            vf = torch.zeros(())
+            if target is not None:                      # critic: 0.5 (V - target)^2 per step
+                vf = aggregate(0.5 * (policy.value(mb.states) - target[s]) ** 2, m, "token", n_tok)
+                loss = loss + cfg.vf_coef * vf
+            loss.backward()
+            clipped = (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high)
+            per_tok = lambda x: masked_sum(x.detach().float(), m).item() / n_tok
+            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped),
+                                    per_tok(kl), per_tok(ent), per_tok((mb.logp - old[i]).abs()))):
+                sums[k] += v
+        all_reduce_grads([p for ps in groups.values() for p in ps])
+        norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
+                 for name, ps in groups.items()}
+        if all(torch.isfinite(n) for n in norms.values()):
+            opt.step()
+        else:                                           # never write NaN/inf into the weights
+            skipped += 1
+            print(f"skipped update (epoch {epoch}): non-finite gradient norm "
+                  f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr, flush=True)
+    stats = dict(zip(STATS, all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()),
+                 grad_norm=norms["actor"].item(), skipped=skipped)
+    if target is None:
+        del stats["vf_loss"]
+    if ref[0] is None:
+        del stats["kl"]
+    return stats
+
+
+def save_checkpoint(cfg: Config, policy, opt, state: dict):
+    """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
+    path = cfg.out + ".pt"
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    torch.save({"format": "nanorl-1", "config": asdict(cfg), "policy": policy.state_dict(),
+                "optimizer": opt.state_dict(), **state}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at"}
+
+
+def load_checkpoint(cfg: Config, policy, opt) -> dict:
+    try:
+        ck = torch.load(cfg.resume, map_location="cpu", weights_only=True)
+        assert ck["format"] == "nanorl-1"
+    except Exception as e:
+        raise ValueError(f"--resume {cfg.resume} is not a readable NanoRL checkpoint ({type(e).__name__}: "
+                         f"{e}): point --resume at a good <out>.pt, or start without it") from None
+    diff = {k: (v, getattr(cfg, k)) for k, v in ck["config"].items()
+            if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v}
+    if diff:
+        raise ValueError("--resume needs the settings the checkpoint was trained with; these differ "
+                         "(checkpoint, now): " + ", ".join(f"--{k.replace('_', '-')} {a!r} vs {b!r}"
+                                                           for k, (a, b) in diff.items()))
+    policy.load_state_dict(ck["policy"])
+    opt.load_state_dict(ck["optimizer"])
+    return {"step": ck["step"], "env_steps": ck["env_steps"]}
+
+
+# ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
+
+def parse_config(argv=None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for f in fields(Config):
+        kw = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kw)
+    pre, _ = p.parse_known_args(argv)
+    if pre.config:
+        p.set_defaults(**read_yaml(pre.config))
+    return Config(**vars(p.parse_args(argv)))
+
+
+def read_yaml(path) -> dict:
+    import yaml
+    with open(path) as fh:
+        d = yaml.safe_load(fh) or {}
+    types = {f.name: type(f.default) for f in fields(Config)}
+    if not isinstance(d, dict) or set(d) - set(types):
+        raise ValueError(f"{path}: keys must be Config fields; unknown: "
+                         f"{sorted(set(d) - set(types)) if isinstance(d, dict) else d!r}")
+    for k, v in d.items():
+        if types[k] is float and isinstance(v, (int, str)) and not isinstance(v, bool):
+            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+                d[k] = v = float(v)
+            except ValueError:
+                pass
+        if not isinstance(v, types[k]) or isinstance(v, bool) != (types[k] is bool):
+            raise ValueError(f"{path}: {k}: {v!r} is not a {types[k].__name__}")
+    return d
+
+
+if __name__ == "__main__":
+    try:  # user errors (ValueError) print their message, which names the fix
+        train(parse_config())
+    except ValueError as e:
+        sys.exit(f"error: {e}")
