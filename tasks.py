@@ -3,6 +3,13 @@
 Invariant: training prompts and held-out prompts are disjoint by construction, and every member
 of a group starts from the same prompt (the same initial state, for control).
 """
+import hashlib
+import json
+import operator
+import os
+import re
+from fractions import Fraction
+
 import numpy as np
 import torch
 
@@ -71,4 +78,282 @@ class CartPole:
         return {"eval_return": self.rollout(policy, seeds, 1, greedy=True).row_rewards().mean().item()}
 
 
-TASKS = {"cartpole": CartPole}
+# ---- LLM tasks: pure reward functions (prompt, completion, answer) -> float, never raising ----
+
+MAX_EXPR = 200  # characters: 4 two-digit numbers, 3 ops, parentheses and spaces fit in ~40
+_EXPR_CHARS = set("0123456789+-*/() ")  # explicit ASCII: str.isdigit() also accepts '３' and '٣'
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+# thousands groups first, so "1,234" is one number but "1, 2" is two; [0-9], not \d (unicode digits)
+_NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
+
+
+def extract_answer(completion: str) -> str | None:
+    """Text inside the LAST <answer>...</answer> pair, stripped; None without a pair.
+    rfind, not a regex: a non-greedy pattern is quadratic on 100k characters of '<answer>'."""
+    end = completion.rfind("</answer>")
+    start = completion.rfind("<answer>", 0, max(end, 0))
+    return None if end < 0 or start < 0 else completion[start + len("<answer>"):end].strip()
+
+
+def format_reward(prompt: str, completion: str, answer) -> float:
+    """0.5 for an <answer>...</answer> pair, +0.5 if only whitespace follows its closing tag."""
+    if extract_answer(completion) is None:
+        return 0.0
+    return 0.5 + 0.5 * (completion[completion.rfind("</answer>") + len("</answer>"):].strip() == "")
+
+
+def _evaluate(tokens: list[str]) -> Fraction | None:
+    """Shunting-yard over number/operator/parenthesis tokens -> exact Fraction; None on a syntax
+    error (unary minus included) or a division by zero. Iterative: deep nesting cannot recurse."""
+    vals, ops, want_number = [], [], True
+
+    def apply():
+        b, a = vals.pop(), vals.pop()
+        vals.append(_OPS[ops.pop()](a, b))
+
+    try:
+        for tok in tokens:
+            if want_number != (tok[0] in "0123456789("):  # e.g. '3 4', '**', '()', unary '-'
+                return None
+            if tok == "(":
+                ops.append(tok)
+            elif tok[0] in "0123456789":
+                vals.append(Fraction(int(tok)))
+                want_number = False
+            elif tok == ")":
+                while ops and ops[-1] != "(":
+                    apply()
+                if not ops:
+                    return None
+                ops.pop()
+            else:
+                while ops and ops[-1] != "(" and _PREC[ops[-1]] >= _PREC[tok]:
+                    apply()
+                ops.append(tok)
+                want_number = True
+        if want_number or "(" in ops:
+            return None
+        while ops:
+            apply()
+        return vals[0]
+    except ZeroDivisionError:
+        return None
+
+
+def countdown_reward(prompt: str, completion: str, answer: dict) -> float:
+    """1.0 iff the last <answer> is an expression over ASCII digits, + - * / ( ) and spaces that uses
+    the given numbers exactly once each (as a multiset, not split or concatenated) and equals the
+    target exactly (Fraction arithmetic, so 7/2*2 == 7). Leading zeros ('07') are rejected."""
+    expr = extract_answer(completion)
+    if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
+        return 0.0
+    tokens = re.findall(r"[0-9]+|[-+*/()]", expr)
+    nums = [t for t in tokens if t[0] in "0123456789"]
+    if any(t != str(int(t)) for t in nums) or sorted(map(int, nums)) != sorted(answer["numbers"]):
+        return 0.0                              # checked before evaluating: values stay small
+    return float(_evaluate(tokens) == answer["target"])
+
+
+def countdown_problem(rng: np.random.Generator) -> dict:
+    """3 or 4 numbers in 1..99 and a target in 1..999 built by folding them, in a random order, with
+    random ops whose intermediate results stay positive integers; retried until in range."""
+    while True:
+        nums = rng.integers(1, 100, size=int(rng.integers(3, 5))).tolist()
+        order = rng.permutation(len(nums)).tolist()
+        value, expr = nums[order[0]], str(nums[order[0]])
+        for i in order[1:]:
+            x, op, flip = nums[i], "+-*/"[rng.integers(4)], bool(rng.integers(2))
+            a, b = (x, value) if flip else (value, x)
+            if (op == "-" and a <= b) or (op == "/" and a % b):
+                break                           # not a positive integer: draw a new problem
+            value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]  # exact: divisibility checked
+            expr = f"({x} {op} {expr})" if flip else f"({expr} {op} {x})"
+        else:
+            if 1 <= value <= 999:
+                prompt = (f"Using the numbers {nums}, create an equation that equals {value}. Use + - * / "
+                          "and parentheses, each number exactly once. Think inside <think> </think>, "
+                          "then give only the equation inside <answer> </answer>, e.g. <answer>(1 + 2) / 3</answer>.")
+                return {"prompt": prompt, "answer": {"numbers": nums, "target": value}, "solution": expr[1:-1]}
+
+
+def _last_number(text: str) -> Fraction | None:
+    found = _NUMBER.findall(text)
+    return Fraction(found[-1].replace(",", "")) if found else None
+
+
+def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
+    """1.0 iff the last number of the last <answer> (of the whole completion when there is no tag,
+    so a model that ignores the format still gets a signal) equals the reference numerically:
+    '$1,234.50' == '1234.5'; a trailing '.' ends the number; '-5' is negative."""
+    text = extract_answer(completion)
+    got, ref = _last_number(completion if text is None else text), _last_number(answer)
+    return float(got is not None and got == ref)
+
+
+def maxdigit_reward(prompt: str, completion: str, answer: str) -> float:
+    return float(completion[:1] == answer)
+
+
+def overlong_penalty(n_tokens: int, max_new_tokens: int, cache: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
+    -1 at max_new_tokens. cache == 0 turns it off."""
+    if cache <= 0 or n_tokens <= max_new_tokens - cache:
+        return 0.0
+    return max(-1.0, (max_new_tokens - cache - n_tokens) / cache)
+
+
+def held_out(text: str) -> bool:
+    """The held-out tenth: sha256 of the text % 10 == 0. Stable across processes and machines
+    (Python's hash() of a str is salted per process)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 10 == 0
+
+
+GSM8K_PROMPT = ("{question}\nSolve it step by step inside <think> </think>, then give only the final "
+                "number inside <answer> </answer>.")
+GSM8K_FIX = "each line needs \"question\" and \"answer\" (GSM8K format, answer ending in '#### <number>')"
+
+
+def _gsm8k_row(row, where: str) -> dict:
+    """A hub row or a parsed JSONL line -> {"prompt", "answer"}; ValueError naming `where` and the fix."""
+    ok = (isinstance(row, dict) and isinstance(row.get("question"), str)
+          and isinstance(row.get("answer"), str) and "####" in row["answer"])
+    ref = row["answer"].split("####")[-1].strip() if ok else ""
+    if _last_number(ref) is None:
+        raise ValueError(f"{where}: {GSM8K_FIX}")
+    return {"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref}
+
+
+def load_gsm8k(path: str, split: str) -> list[dict]:
+    """[{"prompt", "answer": "42"}]. path "" loads openai/gsm8k from the hub (split train or test);
+    a local JSONL holds it out itself: a row is in "test" iff held_out(question), the rest is
+    "train". Blank lines are skipped; any other malformed line raises ValueError with its number."""
+    if split not in ("train", "test"):
+        raise ValueError(f"GSM8K split {split!r}: use 'train' or 'test'")
+    if not path:
+        try:
+            import datasets
+            rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
+        except Exception as e:
+            raise ValueError(f"openai/gsm8k: the Hugging Face hub is unreachable or `datasets` is missing "
+                             f"({type(e).__name__}): pass --data PATH.jsonl ({GSM8K_FIX})") from e
+        return [_gsm8k_row(r, f"openai/gsm8k row {i}") for i, r in enumerate(rows, 1)]
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path}: no such file; pass a JSONL file ({GSM8K_FIX})")
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    row = None
+                problem = _gsm8k_row(row, f"{path} line {i}")
+                if held_out(row["question"]) == (split == "test"):
+                    out.append(problem)
+    return out
+
+
+# ---- LLM tasks: a problem is {"prompt": str, "answer": ...}; reward = weighted sum of the fns above ----
+
+class LLMTask:
+    """Policy protocol (HFPolicy implements it): encode(text) -> ids; act(prompt_ids, G, greedy) ->
+    per prompt, G samples in prompt-major order of (completion ids [C] with the stop token when it
+    stopped, sampler log-probs [C], truncated); decode(ids) -> text without special tokens.
+    Procedural tasks define problem(rng): a problem is held out iff held_out(its prompt), so
+    training draws skip the held-out tenth and the eval set is the first held-out draws of one seed.
+    rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
+    is_llm, metric = True, "eval_acc"
+    rewards: list = []
+
+    def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1):
+        self.eval_episodes, self.data, self.overlong_cache, self.pass_k = eval_episodes, data, overlong_cache, pass_k
+        self.max_new_tokens = self.max_len = max_new_tokens  # max_len: Dr. GRPO's constant denominator
+        self.eval_set = self.eval_problems()
+
+    def problem(self, rng: np.random.Generator) -> dict:
+        raise NotImplementedError
+
+    def _draw(self, n, rng, want_held_out):
+        out = []
+        while len(out) < n:
+            p = self.problem(rng)
+            if held_out(p["prompt"]) == want_held_out:
+                out.append(p)
+        return out
+
+    def sample(self, n, rng: np.random.Generator) -> list[dict]:
+        return self._draw(n, rng, False)
+
+    def eval_problems(self) -> list[dict]:
+        return self._draw(self.eval_episodes, np.random.default_rng(EVAL_SEED0), True)
+
+    def score(self, problem, completion: str, n_tokens: int) -> float:
+        r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
+        return r + overlong_penalty(n_tokens, self.max_new_tokens, self.overlong_cache)
+
+    def rollout(self, policy, prompts, group_size, greedy=False):
+        ids = [policy.encode(p["prompt"]) for p in prompts]
+        rows = []
+        for i, (c, lp, trunc) in enumerate(policy.act(ids, group_size, greedy)):
+            p, P, C = prompts[i // group_size], ids[i // group_size], len(c)
+            tokens = torch.cat([torch.tensor(P, dtype=torch.long), c.long().cpu()])   # [T] = [P + C]
+            rewards = torch.zeros(len(tokens))                                      # [T]
+            rewards[-1] = self.score(p, policy.decode(c.tolist()), C)               # on the last completion token
+            rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=bool(trunc),
+                                   logp=torch.cat([torch.zeros(len(P)), lp.float().cpu()]),  # [T]
+                                   mask=torch.cat([torch.zeros(len(P)), torch.ones(C)])))    # [T]
+        return Batch.from_groups([rows[i:i + group_size] for i in range(0, len(rows), group_size)])
+
+    def _correct(self, policy, k, greedy) -> np.ndarray:
+        """Correctness (rewards[0] == 1) of k samples per held-out problem -> [n_eval, k] bool."""
+        ids = [policy.encode(p["prompt"]) for p in self.eval_set]
+        fn = self.rewards[0][1]
+        hits = [fn(self.eval_set[i // k]["prompt"], policy.decode(c.tolist()), self.eval_set[i // k]["answer"]) == 1.0
+                for i, (c, _, _) in enumerate(policy.act(ids, k, greedy))]
+        return np.array(hits).reshape(len(self.eval_set), k)                     # [n_eval, k]
+
+    def evaluate(self, policy) -> dict:
+        """Greedy accuracy on the held-out problems (the same on every rank: no communication);
+        pass_at_k: fraction with at least one of pass_k samples correct."""
+        out = {"eval_acc": float(self._correct(policy, 1, True).mean())}
+        if self.pass_k > 1:
+            out["pass_at_k"] = float(self._correct(policy, self.pass_k, False).any(1).mean())
+        return out
+
+
+class Countdown(LLMTask):
+    """Reach the target with + - * / and each given number once (TinyZero's Countdown game)."""
+    rewards = [(1.0, countdown_reward), (0.1, format_reward)]
+
+    def problem(self, rng):
+        return countdown_problem(rng)
+
+
+class GSM8K(LLMTask):
+    """Grade-school math word problems; the reference is the number after '####'."""
+    rewards = [(1.0, gsm8k_reward), (0.1, format_reward)]
+
+    def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1):
+        super().__init__(eval_episodes, data, overlong_cache, max_new_tokens, pass_k)
+        self.train_set = load_gsm8k(data, "train")
+
+    def sample(self, n, rng):
+        return [self.train_set[i] for i in rng.integers(len(self.train_set), size=n)]
+
+    def eval_problems(self):
+        return load_gsm8k(self.data, "test")[:self.eval_episodes]
+
+
+class MaxDigit(LLMTask):
+    """Prompt '381=', answer '8': the largest of 3 random digits, as the completion's first character.
+    A task a tiny character-level model learns by RL from random init on a CPU (1,000 prompts, ~100
+    held out). Baseline to beat: always answering '9' scores 1 - 0.9**3 = 27.1%."""
+    rewards = [(1.0, maxdigit_reward)]
+
+    def problem(self, rng):
+        d = rng.integers(0, 10, size=3).tolist()
+        return {"prompt": "".join(map(str, d)) + "=", "answer": str(max(d))}
+
+
+TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit}

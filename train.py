@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
-from model import MLPPolicy  # noqa: E402
+from model import HFPolicy, MLPPolicy  # noqa: E402
 from tasks import TASKS  # noqa: E402
 from utils import (Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed,  # noqa: E402
                    masked_mean, masked_sum)
@@ -43,8 +43,9 @@ class Config:
     # what to train
     task: str = arg("cartpole", f"task: {', '.join(TASKS)}")
     algo: str = arg("reinforce", f"advantage estimator: {', '.join(ESTIMATORS)}")
-    model: str = arg("", "Hugging Face model id or local path (LLM tasks only)")
+    model: str = arg("", "Hugging Face model id or local path (LLM tasks only; tiny one: python model.py DIR)")
     hidden: int = arg(64, "MLP width (control tasks)")
+    data: str = arg("", "local JSONL for data-backed tasks (gsm8k); empty: the Hugging Face hub")
     # the loop
     steps: int = arg(300, "policy updates at most")
     n_prompts: int = arg(32, "prompts per step over all ranks (control: initial states)")
@@ -61,6 +62,20 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
+    # LLM policy and sampling
+    lora: bool = arg(False, "train LoRA adapters (PEFT) instead of all weights")
+    lora_r: int = arg(16, "LoRA rank")
+    lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
+    lora_targets: str = arg("all-linear", "LoRA target modules: all-linear, or comma-separated names")
+    dtype: str = arg("float32", "compute dtype (autocast): float32, bfloat16, float16; trainable weights stay fp32")
+    grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
+    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: keep a frozen copy as reference (2x memory)")
+    max_new_tokens: int = arg(256, "completion budget in tokens")
+    temperature: float = arg(1.0, "sampling temperature; the loss models softmax(logits / temperature)")
+    gen_batch: int = arg(64, "sequences per generation call (KV-cache bound)")
+    thinking: bool = arg(False, "enable_thinking for hybrid-reasoning chat templates (Qwen3)")
+    overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
+    pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
     # advantages
     gamma: float = arg(0.99, "discount (reinforce, reinforce_baseline, ppo)")
     lam: float = arg(0.95, "GAE lambda (ppo)")
@@ -84,36 +99,41 @@ class Config:
         return self.clip_eps_high or self.clip_eps
 
 
-COLUMNS = ["step", "reward", "eval_return", "loss", "pg_loss", "vf_loss", "ratio", "clip_frac",
-           "kl", "entropy", "grad_norm", "skipped", "logp_gap", "step_s", "env_steps"]
+COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
+           "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "zero_std_frac", "completion_len",
+           "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps"]
 
 
 def train(cfg: Config) -> dict:
     rank, world = init_distributed()
     validate(cfg, world)
-    task = TASKS[cfg.task](eval_episodes=cfg.eval_episodes)
+    task = make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     policy = make_policy(cfg, task)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
-    broadcast_params(policy)
+    broadcast_params(opt.params())
     log = Logger(cfg.out + ".csv", COLUMNS, resume=bool(cfg.resume), enabled=rank == 0)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     row = {}
+    if cfg.eval_every and state["step"] == 0:          # where the policy starts, for the curve
+        log.log({"step": 0, **task.evaluate(policy)})
     for step in range(state["step"] + 1, cfg.steps + 1):
         t0 = time.time()
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
         # 1. rollout: the sync source; the async trainer swaps in its queue here
-        batch = sync_batch(task, policy, cfg, step, rank, world)
+        batch = sync_batch(task, policy, cfg, step, rank, world).to(policy.device)
+        t1 = time.time()
         # 2. advantage: the only line that differs between algorithms
         adv, target = estimator(batch, policy, **hparams)
         # 3. update
         stats = update(policy, opt, batch, adv, target, cfg, task.max_len)
         # 4. log, evaluate, checkpoint
-        state = {"step": step, "env_steps": state["env_steps"] + int(all_sum(batch.mask.sum().item()))}
-        row = {"step": step, "reward": all_sum(batch.row_rewards().sum().item()) / all_sum(len(batch)),
-               **stats, "step_s": time.time() - t0, "env_steps": state["env_steps"]}
+        t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
+        state = {"step": step, "env_steps": state["env_steps"] + n_tok}
+        row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
+               "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
         if cfg.eval_every and step % cfg.eval_every == 0:
             row.update(task.evaluate(policy))
         log.log(row)
@@ -142,18 +162,32 @@ def validate(cfg: Config, world: int = 1):
     if cfg.algo in NEEDS_CRITIC and cfg.is_llm:
         errors.append(f"--algo {cfg.algo} needs a critic, which LLM policies do not have: "
                       f"use --algo grpo or rloo")
-    if cfg.model and not cfg.is_llm:
-        errors.append(f"--model is for LLM tasks; --task {cfg.task} trains an MLP: drop --model")
+    if not cfg.is_llm and (cfg.model or cfg.lora):
+        errors.append(f"--model and --lora are for LLM tasks; --task {cfg.task} trains an MLP: drop them")
+    if cfg.is_llm and not cfg.model:
+        errors.append(f"--task {cfg.task} needs --model: a hub id or a local directory (build a tiny one "
+                      f"with: python model.py runs/tiny-lm)")
+    if cfg.is_llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+        errors.append(f"--model {cfg.model}: no such directory")
+    if cfg.is_llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy):
+        errors.append("--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the "
+                      "reference, free) or --ref-copy (a frozen copy: twice the weight memory)")
+    if cfg.ref_copy and (cfg.lora or not cfg.kl_coef):
+        errors.append("--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it")
+    if cfg.dtype not in ("float32", "bfloat16", "float16"):
+        errors.append(f"--dtype {cfg.dtype} is unknown: use float32, bfloat16 or float16")
+    if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
+        errors.append("need 0 <= --overlong-cache < --max-new-tokens and --temperature > 0")
     if cfg.n_prompts < 1 or cfg.n_prompts % world:
         errors.append(f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
                       f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}")
     if cfg.loss_agg not in ("token", "seq", "constant"):
         errors.append(f"--loss-agg {cfg.loss_agg} is unknown: use token, seq or constant")
-    for name in ("steps", "group_size", "inner_epochs", "hidden"):
+    for name in ("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every",
-                 "ckpt_every", "clip_eps_high"):
+                 "ckpt_every", "clip_eps_high", "pass_k"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name.replace('_', '-')} must be >= 0 (0 turns it off)")
     if not (cfg.lr > 0 and 0 < cfg.clip_eps < 1 and 0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
@@ -164,9 +198,21 @@ def validate(cfg: Config, world: int = 1):
         raise ValueError("\n".join(errors))
 
 
+def make_task(cfg: Config):
+    if not cfg.is_llm:
+        return TASKS[cfg.task](eval_episodes=cfg.eval_episodes)
+    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, data=cfg.data, overlong_cache=cfg.overlong_cache,
+                           max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k)
+
+
 def make_policy(cfg: Config, task):
-    return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
-                     reference=cfg.kl_coef > 0)
+    if not cfg.is_llm:
+        return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
+                         reference=cfg.kl_coef > 0)
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+    return HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
+                    dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                    gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
 
 
 def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
@@ -174,6 +220,15 @@ def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
     under the current weights. Prompts depend on (seed, step) only, so ranks shard one global set."""
     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
     return task.rollout(policy, prompts[rank::world], cfg.group_size)
+
+
+def batch_stats(batch) -> dict:
+    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups."""
+    R, n = batch.grouped_rewards(), all_sum(len(batch))                # [n_prompts, G]
+    dead = (R == R[:, :1]).all(1).float().sum().item() if batch.group_size > 1 else 0.0
+    return {"reward": all_sum(R.sum().item()) / n, "completion_len": all_sum(batch.lengths().sum().item()) / n,
+            "truncated_frac": all_sum(batch.truncated.float().sum().item()) / n,
+            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
 
 def aggregate(x, mask, agg, denom):
@@ -253,9 +308,12 @@ def save_checkpoint(cfg: Config, policy, opt, state: dict):
     """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
     path = cfg.out + ".pt"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    torch.save({"format": "nanorl-1", "config": asdict(cfg), "policy": policy.state_dict(),
+    weights = {n: p.detach().cpu() for n, p in policy.named_parameters() if p.requires_grad}  # not a frozen base
+    torch.save({"format": "nanorl-1", "config": asdict(cfg), "policy": weights,
                 "optimizer": opt.state_dict(), **state}, path + ".tmp")
     os.replace(path + ".tmp", path)
+    if cfg.lora:                                        # PEFT's on-disk format too: vLLM and PEFT load it
+        policy.model.save_pretrained(cfg.out + ".adapter")
 
 
 RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at"}
@@ -274,7 +332,11 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
         raise ValueError("--resume needs the settings the checkpoint was trained with; these differ "
                          "(checkpoint, now): " + ", ".join(f"--{k.replace('_', '-')} {a!r} vs {b!r}"
                                                            for k, (a, b) in diff.items()))
-    policy.load_state_dict(ck["policy"])
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    if trainable != set(ck["policy"]):
+        raise ValueError(f"--resume {cfg.resume} holds other weights than this model trains (e.g. "
+                         f"{sorted(trainable ^ set(ck['policy']))[:3]}): same --model and --lora settings?")
+    policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
     return {"step": ck["step"], "env_steps": ck["env_steps"]}
 

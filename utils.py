@@ -144,11 +144,11 @@ def all_reduce_grads(params):
             g.copy_(new.view_as(g))
 
 
-def broadcast_params(module):
-    """Rank 0's weights everywhere, so every rank starts from the same model."""
+def broadcast_params(params):
+    """Rank 0's trainable weights everywhere, so every rank starts from the same model."""
     if is_distributed():
-        for p in module.state_dict().values():
-            dist.broadcast(p, 0)
+        for p in params:
+            dist.broadcast(p.data, 0)
 
 
 # ---- logging: one readable line per step on stdout, one CSV row per step ----

@@ -64,4 +64,40 @@ def test_torchrun_two_ranks_end_to_end(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("step 3 ") == 1                                 # rank 0 logs, once per step
-    assert len((tmp_path / "dp.csv").read_text().splitlines()) == 4
+    assert len((tmp_path / "dp.csv").read_text().splitlines()) == 1 + 1 + 3       # header, step-0 eval, 3 steps
+
+
+def llm_rank_main(rank, port, tiny, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    from utils import init_distributed
+    init_distributed()
+    cfg, policy, batch, adv = llm_problem(tiny)
+    grads, _ = grads_after(policy, cfg, batch[rank * 4:(rank + 1) * 4], adv[rank * 4:(rank + 1) * 4], None, 4)
+    torch.save(grads, out + f".{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def llm_problem(tiny):
+    from model import HFPolicy
+    from test_llm import as_batch
+    torch.manual_seed(0)
+    policy = HFPolicy(tiny, max_new_tokens=4, lora_r=4)
+    torch.manual_seed(1)
+    prompts = [policy.encode(p) for p in ("1 2 3=", "45=", "0=", "9 9 9 9=")]
+    batch = as_batch(prompts, policy.act(prompts, 2), 2)
+    adv = (torch.arange(8.0)[:, None] - 3.5) * batch.mask
+    cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=2, loss_agg="seq", lora=True, max_grad_norm=0.0)
+    return cfg, policy, batch, adv
+
+
+def test_two_gloo_ranks_equal_one_process_on_the_tiny_lm(tmp_path):
+    pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
+    from model import make_tiny_lm
+    tiny = make_tiny_lm(str(tmp_path / "tiny"))
+    cfg, policy, batch, adv = llm_problem(tiny)
+    one, _ = grads_after(policy, cfg, batch, adv, None, 4)
+    out = str(tmp_path / "g")
+    mp.start_processes(llm_rank_main, args=(free_port(), tiny, out), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        for a, b in zip(one, torch.load(out + f".{rank}"), strict=True):
+            assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()

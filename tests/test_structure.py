@@ -50,11 +50,29 @@ def test_cartpole_never_imports_the_llm_stack(tmp_path):
     assert p.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.fixture(scope="session")
+def tiny_lm(tmp_path_factory):
+    pytest.importorskip("transformers", reason="LLM configs need: pip install -r requirements-llm.txt")
+    from model import make_tiny_lm
+    return make_tiny_lm(str(tmp_path_factory.mktemp("tiny")), chars=[chr(i) for i in range(32, 127)])
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
-def test_every_config_smoke_runs(path, tmp_path):
-    head = open(path).read().splitlines()[:4]
+def test_every_config_smoke_runs(path, tmp_path, request):
+    """Every preset, 2 steps. LLM presets run on the tiny LM (no hub here) with a small budget,
+    everything else (LoRA, dtype, checkpointing, task, algorithm) as the preset says."""
+    head = open(path).read().splitlines()[:5]
     assert head[0].startswith("# Rung") and any("Expected" in h for h in head), "header: rung, hardware, time, metric"
-    p = subprocess.run([sys.executable, "train.py", "--config", path, "--steps", "2", "--solve-at", "0",
-                        "--out", str(tmp_path / "smoke")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = ["--steps", "2", "--solve-at", "0", "--out", str(tmp_path / "smoke"), "--eval-every", "1"]
+    if "task: cartpole" not in open(path).read():
+        args += ["--model", request.getfixturevalue("tiny_lm"), "--n-prompts", "2", "--max-new-tokens", "4",
+                 "--eval-episodes", "2", "--gen-batch", "8", "--micro-batch", "4"]
+        if "task: gsm8k" in open(path).read():
+            data = tmp_path / "gsm8k.jsonl"
+            data.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "{i} + 1 = {i + 1}\\n#### {i + 1}"}}\n'
+                                    for i in range(40)))
+            args += ["--data", str(data)]
+    p = subprocess.run([sys.executable, "train.py", "--config", path, *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert len((tmp_path / "smoke.csv").read_text().splitlines()) == 3
+    assert len((tmp_path / "smoke.csv").read_text().splitlines()) == 4          # header, step 0 eval, 2 steps

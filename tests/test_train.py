@@ -110,7 +110,7 @@ BAD = [
     (dict(task="pong"), "--task pong is unknown"),
     (dict(algo="grpo", group_size=1), "--algo grpo needs --group-size >= 2"),
     (dict(algo="rloo"), "--algo rloo needs --group-size >= 2"),
-    (dict(model="gpt2"), "drop --model"),
+    (dict(model="gpt2"), "--task cartpole trains an MLP: drop them"),
     (dict(loss_agg="mean"), "--loss-agg mean is unknown"),
     (dict(inner_epochs=0), "--inner-epochs must be >= 1"),
     (dict(micro_batch=-1), "--micro-batch must be >= 0"),

@@ -1,0 +1,205 @@
+"""LLM step speed: one GRPO step (8 prompts x 8 completions x 32 new tokens) for NanoRL and TRL's
+GRPOTrainer side by side, on the tiny char LM and on a Qwen2-0.5B-shaped model with random weights.
+
+    python tests/bench_llm.py [--trl-python /tmp/trl-venv/bin/python] [--steps 3] [--big-steps 1]
+    python tests/bench_llm.py --gpu          # 0.5B-shaped, 16 x 8 x 256, bf16 autocast, tokens/s
+
+TRL is not a NanoRL dependency; install it into its own venv that reuses torch and transformers:
+    python -m venv --system-site-packages /tmp/trl-venv && /tmp/trl-venv/bin/pip install trl
+Each side runs in its own subprocess (so peak RSS / GPU memory is its own), one warm-up step, then
+the median of the timed steps. Prompts are MaxDigit's ("381="). EOS is made unreachable on both
+sides so every completion is exactly max_new_tokens long: NanoRL stops on an id outside the vocab,
+TRL gets generation_kwargs min_new_tokens = max_new_tokens. gen_s is generation (+ reward for NanoRL);
+for TRL it is the time inside model.generate and train_s is the rest of its step. Both sides
+use micro-batches of --micro-batch rows and one optimizer step per 64 (GPU: 128) completions.
+Model weights start fp32 on both; asserts nothing about speed.
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRL_VENV = "/tmp/trl-venv/bin/python"
+SHAPES = {"cpu": (8, 8, 32), "gpu": (16, 8, 256)}   # n_prompts, group size G, max_new_tokens
+
+
+def build_models(cache):
+    """The tiny char LM and a Qwen2-0.5B-shaped model (random weights, the tiny tokenizer), built once."""
+    sys.path.insert(0, ROOT)
+    from model import make_tiny_lm
+    tiny, big = os.path.join(cache, "tiny"), os.path.join(cache, "qwen2-0.5b-shaped")
+    if not os.path.isfile(os.path.join(tiny, "config.json")):
+        make_tiny_lm(tiny)
+    if not os.path.isfile(os.path.join(big, "config.json")):
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
+        torch.manual_seed(0)
+        cfg = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                          intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                          max_position_embeddings=32768, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
+        model.save_pretrained(big)
+        for f in os.listdir(tiny):                      # the char tokenizer: ids >= 16 decode to ""
+            if f.startswith(("tokenizer", "special_tokens")):
+                shutil.copy(os.path.join(tiny, f), big)
+    return {"tiny": tiny, "0.5B-shaped": big}
+
+
+def peak(gpu):
+    import torch
+    return {"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "gpu_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
+
+
+def run_nanorl(model, steps, micro_batch, gpu):
+    sys.path.insert(0, ROOT)
+    import torch
+    import train
+    n_prompts, G, new = SHAPES["gpu" if gpu else "cpu"]
+    cfg = train.Config(task="maxdigit", model=model, algo="grpo", group_size=G, n_prompts=n_prompts,
+                       max_new_tokens=new, loss_agg="seq", micro_batch=micro_batch, gen_batch=n_prompts * G,
+                       lr=1e-5, eval_every=0, solve_at=0, dtype="bfloat16" if gpu else "float32")
+    train.validate(cfg)
+    task = train.make_task(cfg)
+    torch.manual_seed(0)
+    policy = train.make_policy(cfg, task)
+    policy.eos = [policy.model.config.vocab_size]      # never sampled: every completion is `new` tokens
+    opt = train.Adam(list(policy.param_groups().values()), lr=cfg.lr)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    times = []
+    for step in range(1, steps + 1):
+        sync(), torch.manual_seed(step)
+        t0 = time.time()
+        batch = train.sync_batch(task, policy, cfg, step, 0, 1).to(policy.device)
+        sync()
+        t1 = time.time()
+        adv, target = train.ESTIMATORS["grpo"](batch, policy, std_norm=True)
+        train.update(policy, opt, batch, adv, target, cfg, task.max_len)
+        sync()
+        times.append((t1 - t0, time.time() - t1))
+        assert int(batch.mask.sum()) == n_prompts * G * new, "completions shorter than max_new_tokens"
+    return times
+
+
+def run_trl(model, steps, micro_batch, gpu, variant):
+    import numpy as np
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    n_prompts, G, new = SHAPES["gpu" if gpu else "cpu"]
+    rng = np.random.default_rng(0)
+    prompts = ["".join(map(str, rng.integers(0, 10, 3))) + "=" for _ in range(2 * n_prompts * steps)]
+    lengths, gen_s, step_times = [], [], []
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def reward(completions, completion_ids, **kw):     # trivial but not constant: non-zero advantages
+        lengths.extend(map(len, completion_ids))
+        return rng.random(len(completions)).tolist()
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    generate = net.generate
+
+    def timed_generate(*a, **kw):
+        sync()
+        t = time.time()
+        out = generate(*a, **kw)
+        sync()
+        gen_s.append(time.time() - t)
+        return out
+    net.generate = timed_generate
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            sync()
+            self.t, self.n_gen = time.time(), len(gen_s)
+
+        def on_step_end(self, args, state, control, **kw):
+            sync()
+            step_times.append((sum(gen_s[self.n_gen:]), time.time() - self.t, len(gen_s) - self.n_gen))
+
+    ckpt = {"trl-defaults": {}, "trl-fp32": dict(bf16=False, gradient_checkpointing=False),
+            "trl-nockpt": dict(gradient_checkpointing=False)}[variant]
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(output_dir=out, per_device_train_batch_size=micro_batch, num_generations=G,
+                          gradient_accumulation_steps=n_prompts * G // micro_batch, max_completion_length=new,
+                          generation_kwargs={"min_new_tokens": new}, temperature=1.0, beta=0.0, learning_rate=1e-5,
+                          loss_type="grpo", use_vllm=False, use_cpu=not gpu, max_steps=steps, report_to="none",
+                          logging_strategy="no", save_strategy="no", disable_tqdm=True, **ckpt)
+        trainer = GRPOTrainer(model=net, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict(
+            {"prompt": prompts}), processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Timer()])
+        trainer.train()
+    assert len(lengths) == steps * n_prompts * G and set(lengths) == {new}, (len(lengths), set(lengths))
+    assert all(n == 1 for _, _, n in step_times), f"expected one generate call per step: {step_times}"
+    print(f"trl {trl.__version__}: bf16={args.bf16} gradient_checkpointing={args.gradient_checkpointing}",
+          file=sys.stderr)
+    return [(g, s - g) for g, s, _ in step_times]
+
+
+def worker(a):
+    import torch
+    torch.manual_seed(0)
+    if a.side == "nanorl":
+        times = run_nanorl(a.model, a.steps, a.micro_batch, a.gpu)
+    else:
+        times = run_trl(a.model, a.steps, a.micro_batch, a.gpu, a.side)
+    timed = times[1:]                                   # the first step is the warm-up
+    gen, upd = statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)
+    print("RESULT " + json.dumps({"gen_s": gen, "train_s": upd, **peak(a.gpu)}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trl-python", default=TRL_VENV if os.path.exists(TRL_VENV) else "")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps, tiny model (plus one warm-up)")
+    ap.add_argument("--big-steps", type=int, default=1, help="timed steps, 0.5B-shaped model (plus one warm-up)")
+    ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward, both sides")
+    ap.add_argument("--cache", default="/tmp/nanorl-bench", help="where the two models are built once")
+    ap.add_argument("--gpu", action="store_true", help="0.5B-shaped only, 16 x 8 x 256, bf16 autocast")
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: one side, one model
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.side:
+        return worker(a)
+    models = build_models(a.cache)
+    if a.gpu:
+        models.pop("tiny")
+    sides = ["nanorl", "trl-defaults", "trl-nockpt" if a.gpu else "trl-fp32"]
+    if not a.trl_python:
+        print(f"TRL not installed: run  python -m venv --system-site-packages {os.path.dirname(os.path.dirname(TRL_VENV))}"
+              f" && {TRL_VENV[:-6]}pip install trl   (TRL rows skipped)")
+        sides = sides[:1]
+    n_prompts, G, new = SHAPES["gpu" if a.gpu else "cpu"]
+    print(f"one GRPO step, {n_prompts} prompts x {G} x {new} new tokens, micro-batch {a.micro_batch}, "
+          f"{'bf16 autocast on GPU' if a.gpu else 'CPU, fp32 weights'}; median of timed steps after one warm-up")
+    print(f"{'side':13} {'model':12} {'gen_s':>7} {'train_s':>8} {'step_s':>7} {'gen tok/s':>9} {'upd tok/s':>9} "
+          f"{'peak RSS GB':>11} {'peak GPU GB':>11}")
+    for name, path in models.items():
+        steps = 1 + (a.big_steps if name != "tiny" else a.steps)
+        for side in sides:
+            py = sys.executable if side == "nanorl" else a.trl_python
+            cmd = [py, os.path.abspath(__file__), "--side", side, "--model", path, "--steps", str(steps),
+                   "--micro-batch", str(a.micro_batch)] + ["--gpu"] * a.gpu
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode or not line:
+                print(f"{side:13} {name:12} FAILED (exit {p.returncode}): {p.stderr.strip()[-600:]}", flush=True)
+                continue
+            r = json.loads(line[0][7:])
+            tok, step = n_prompts * G * new, r["gen_s"] + r["train_s"]
+            gpu_gb = f"{r['gpu_gb']:11.2f}" if r["gpu_gb"] is not None else f"{'-':>11}"
+            print(f"{side:13} {name:12} {r['gen_s']:7.2f} {r['train_s']:8.2f} {step:7.2f} {tok / r['gen_s']:9.0f} "
+                  f"{tok / r['train_s']:9.0f} {r['rss_gb']:11.2f} {gpu_gb}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

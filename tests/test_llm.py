@@ -1,0 +1,169 @@
+"""HFPolicy on a real Hugging Face model loaded from disk: a tiny character-level Llama the project
+builds itself (nothing can be downloaded here). Sampling, stopping, scoring, LoRA, KL, gradients."""
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
+from core import Batch, Trajectory  # noqa: E402
+from model import HFPolicy, make_tiny_lm  # noqa: E402
+from train import Config, update  # noqa: E402
+from utils import Adam  # noqa: E402
+
+from test_train import grads_after  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return make_tiny_lm(str(tmp_path_factory.mktemp("tiny-lm")))
+
+
+def policy(path, **kw):
+    torch.manual_seed(0)
+    return HFPolicy(path, **{"max_new_tokens": 6, **kw})
+
+
+def as_batch(prompts, samples, G, rewards=None):
+    """Stack act() output the way an LLM task does (prompt masked, reward on the last token)."""
+    rows = []
+    for i, (c, lp, tr) in enumerate(samples):
+        p = prompts[i // G]
+        ids = torch.tensor(p + c.tolist())
+        r = torch.zeros(len(ids))
+        r[-1] = rewards[i] if rewards else float(i % 2)
+        rows.append(Trajectory(states=ids, actions=ids, logp=torch.cat([torch.zeros(len(p)), lp]), rewards=r,
+                               mask=torch.cat([torch.zeros(len(p)), torch.ones(len(c))]), truncated=tr))
+    return Batch.from_groups([rows[i:i + G] for i in range(0, len(rows), G)])
+
+
+def test_tokenizer_round_trips_exactly(tiny):
+    pol = policy(tiny)
+    text = "3 8 1= 9,9 ,= 0"
+    ids = pol.encode(text)
+    assert len(ids) == len(text) and pol.decode(ids) == text         # spaces kept: one token per character
+    assert pol.tok.decode(ids + pol.eos) == text + "<|endoftext|>"
+    assert pol.eos == [1] and pol.pad == 0
+
+
+def test_greedy_decoding_equals_hf_generate_with_left_padding(tiny):
+    pol = policy(tiny, max_new_tokens=5)
+    prompts = [pol.encode("3 8 1="), pol.encode("1="), pol.encode("77 0 5 4=")]
+    ours = pol.act(prompts, 1, greedy=True)
+    for p, (c, lp, tr) in zip(prompts, ours):
+        ref = pol.model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=pol.eos,
+                                 pad_token_id=pol.pad)[0, len(p):]
+        assert c.tolist() == ref.tolist()[:len(c)]
+
+
+def test_generation_config_knobs_do_not_change_sampling(tiny, tmp_path):
+    """A model whose generation_config sets top_k=5 and repetition_penalty=1.3 samples exactly the same."""
+    other = str(tmp_path / "knobs")
+    os.system(f"cp -r {tiny} {other}")
+    gc = json.load(open(os.path.join(other, "generation_config.json")))
+    gc.update(top_k=5, top_p=0.5, repetition_penalty=1.3, do_sample=True, temperature=0.3, no_repeat_ngram_size=2)
+    json.dump(gc, open(os.path.join(other, "generation_config.json"), "w"))
+    prompts = [policy(tiny).encode("4 2 9=")] * 3
+    outs = []
+    for path in (tiny, other):
+        pol = policy(path, max_new_tokens=8)
+        torch.manual_seed(123)
+        outs.append([(c.tolist(), lp.tolist()) for c, lp, _ in pol.act(prompts, 4)])
+    assert outs[0] == outs[1]
+    assert len({tuple(c) for c, _ in outs[0]}) > 1                    # really sampled, not greedy
+
+
+def test_stop_tokens_masks_and_truncation(tiny):
+    pol = policy(tiny, max_new_tokens=4)
+    p = [pol.encode("5 5=")]
+    greedy_first = pol.act(p, 1, greedy=True)[0][0][0].item()
+    assert pol.act(p, 1, greedy=True)[0][2] is True                  # never meets EOS: budget hit, truncated
+    pol.eos = [99, greedy_first]                                       # any of several EOS ids stops it
+    c, lp, truncated = pol.act(p, 1, greedy=True)[0]
+    assert c.tolist() == [greedy_first] and not truncated and len(lp) == 1   # the stop token is kept
+    b = as_batch(p, [(c, lp, truncated)], 1)
+    assert b.mask[0].tolist() == [0.0] * len(p[0]) + [1.0]           # the stop token is trained on
+
+
+def test_sampler_logprobs_match_scoring_and_ratio_is_one(tiny):
+    pol = policy(tiny, temperature=0.7)
+    prompts = [pol.encode("1 2 3="), pol.encode("9=")]
+    torch.manual_seed(0)
+    batch = as_batch(prompts, pol.act(prompts, 4), 4)
+    logp, ent = pol.logprobs(batch, entropy=True)
+    # decoding (KV cache, one token at a time) and scoring (one forward) agree to float32 rounding
+    assert (logp - batch.logp).abs().max() < 1e-5
+    assert ((ent > 0) == (batch.mask > 0)).all()
+    cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=4, loss_agg="seq", micro_batch=3, max_grad_norm=0.0)
+    adv = (batch.rewards.sum(1, keepdim=True) - 0.5) * batch.mask
+    opt = Adam(list(pol.param_groups().values()), lr=1e-3)
+    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0 and stats["logp_gap"] < 1e-5
+
+
+def test_micro_batched_gradient_equals_one_backward_on_the_tiny_lm(tiny):
+    pol = policy(tiny)
+    prompts = [pol.encode("1 2 3="), pol.encode("45="), pol.encode("0=")]
+    torch.manual_seed(1)
+    batch = as_batch(prompts, pol.act(prompts, 2), 2)
+    adv = (torch.arange(6.0)[:, None] - 2.5) * batch.mask
+    cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=2, loss_agg="seq", max_grad_norm=0.0, ent_coef=0.01)
+    big, _ = grads_after(pol, cfg, batch, adv, None, 6)
+    cfg.micro_batch = 4
+    small, _ = grads_after(pol, cfg, batch, adv, None, 6)
+    for a, b in zip(big, small, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
+
+
+def test_lora_trains_adapters_only_and_kl_starts_at_zero(tiny):
+    pol = policy(tiny, lora_r=4, dtype="bfloat16")
+    trainable = {n for n, p in pol.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in pol.param_groups()["actor"])   # adapters fp32 over a bf16 base
+    base = {n: p.clone() for n, p in pol.named_parameters() if not p.requires_grad}
+    prompts = [pol.encode("7 1 4="), pol.encode("22=")]
+    batch = as_batch(prompts, pol.act(prompts, 2), 2)
+    cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=2, loss_agg="seq", kl_coef=0.1, lora=True)
+    adv = (torch.arange(4.0)[:, None] - 1.5) * batch.mask
+    opt = Adam(list(pol.param_groups().values()), lr=1e-2)
+    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    assert stats["kl"] == 0.0                                         # LoRA's B starts at 0: adapter off == on
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in pol.named_parameters()
+               if p.requires_grad and "lora_B" in n)
+    assert all(torch.equal(base[n], p) for n, p in pol.named_parameters() if not p.requires_grad)
+    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    assert stats["kl"] > 0                                            # after a step the adapter moved the policy
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(model="/nonexistent/model"), "--model /nonexistent/model: no such directory"),
+    (dict(model=""), "--task maxdigit needs --model"),
+    (dict(algo="ppo"), "--algo ppo needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
+    (dict(group_size=1), "--algo grpo needs --group-size >= 2"),
+    (dict(kl_coef=0.1), "--kl-coef with full fine-tuning needs a reference model"),
+])
+def test_bad_llm_configs(tiny, kw, msg):
+    from train import validate
+    with pytest.raises(ValueError, match=msg.replace("+", r"\+")):
+        validate(Config(**{"task": "maxdigit", "model": tiny, "algo": "grpo", "group_size": 4, **kw}))
+
+
+def test_a_directory_that_is_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "not-a-real-architecture"}')
+    with pytest.raises(ValueError, match="could not load a causal LM"):
+        HFPolicy(str(tmp_path))
+
+
+def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny, tmp_path):
+    from train import train
+    kw = dict(task="maxdigit", model=tiny, algo="grpo", group_size=4, n_prompts=4, max_new_tokens=2, lora=True,
+              lora_r=4, lr=1e-2, loss_agg="seq", eval_every=0, solve_at=0.0)
+    train(Config(out=str(tmp_path / "full"), steps=4, **kw))
+    train(Config(out=str(tmp_path / "part"), steps=2, **kw))
+    train(Config(out=str(tmp_path / "part"), steps=4, resume=str(tmp_path / "part.pt"), **kw))
+    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "part.pt")
+    assert a["policy"] and all("lora_" in k for k in a["policy"])     # the adapter, not the frozen base
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "full.adapter"))
