@@ -5,13 +5,17 @@
     python train.py                                        # CartPole, REINFORCE, 1 CPU, seconds
     python train.py --config configs/cartpole_ppo.yaml     # PPO (GAE + critic)
     torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
+    python model.py runs/tiny-lm && python train.py --config configs/tiny_maxdigit.yaml  # tiny LLM, CPU
+    torchrun --nproc_per_node=8 train.py --config configs/countdown_qwen3_8b_lora.yaml   # 8 GPUs
 
 REINFORCE, PPO, GRPO and RLOO differ only in the advantage (algos.py); everything else is this
 file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
 Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO
 mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
 target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
-run replays the same randomness without storing RNG state.
+run replays the same randomness without storing RNG state. LLMs: no sequence packing, a plain
+KV-cached sampling loop (no continuous batching: that is what vLLM workers are for), every rank
+evaluates the same held-out problems.
 """
 import time
 
@@ -118,7 +122,7 @@ def train(cfg: Config) -> dict:
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     row = {}
     if cfg.eval_every and state["step"] == 0:          # where the policy starts, for the curve
-        log.log({"step": 0, **task.evaluate(policy)})
+        log.log({"step": 0, "env_steps": 0, **task.evaluate(policy)})
     for step in range(state["step"] + 1, cfg.steps + 1):
         t0 = time.time()
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
@@ -270,7 +274,7 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             if old[i] is None:
                 old[i] = logp.detach()
             pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
-            loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom)
+            loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
             kl = torch.zeros_like(logp)
             if ref[i] is not None:                      # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp

@@ -1,13 +1,13 @@
 """LLM step speed: one GRPO step (8 prompts x 8 completions x 32 new tokens) for NanoRL and TRL's
 GRPOTrainer side by side, on the tiny char LM and on a Qwen2-0.5B-shaped model with random weights.
 
-    python tests/bench_llm.py [--trl-python /tmp/trl-venv/bin/python] [--steps 3] [--big-steps 1]
+    python tests/bench_llm.py [--trl-python /tmp/trl-venv/bin/python] [--steps 4] [--big-steps 1]
     python tests/bench_llm.py --gpu          # 0.5B-shaped, 16 x 8 x 256, bf16 autocast, tokens/s
 
 TRL is not a NanoRL dependency; install it into its own venv that reuses torch and transformers:
     python -m venv --system-site-packages /tmp/trl-venv && /tmp/trl-venv/bin/pip install trl
-Each side runs in its own subprocess (so peak RSS / GPU memory is its own), one warm-up step, then
-the median of the timed steps. Prompts are MaxDigit's ("381="). EOS is made unreachable on both
+Each side runs in its own subprocess (so peak RSS / GPU memory is its own); the median over the
+steps after the first (a warm-up), or the one step when only one is run (the 0.5B-shaped model on CPU). Prompts are MaxDigit's ("381="). EOS is made unreachable on both
 sides so every completion is exactly max_new_tokens long: NanoRL stops on an id outside the vocab,
 TRL gets generation_kwargs min_new_tokens = max_new_tokens. gen_s is generation (+ reward for NanoRL);
 for TRL it is the time inside model.generate and train_s is the rest of its step. Both sides
@@ -152,16 +152,17 @@ def worker(a):
         times = run_nanorl(a.model, a.steps, a.micro_batch, a.gpu)
     else:
         times = run_trl(a.model, a.steps, a.micro_batch, a.gpu, a.side)
-    timed = times[1:]                                   # the first step is the warm-up
+    timed = times[1:] or times                          # the first step is the warm-up, if there are two
     gen, upd = statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)
-    print("RESULT " + json.dumps({"gen_s": gen, "train_s": upd, **peak(a.gpu)}), flush=True)
+    print("RESULT " + json.dumps({"gen_s": gen, "train_s": upd, "steps": times, **peak(a.gpu)}), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", default=TRL_VENV if os.path.exists(TRL_VENV) else "")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps, tiny model (plus one warm-up)")
-    ap.add_argument("--big-steps", type=int, default=1, help="timed steps, 0.5B-shaped model (plus one warm-up)")
+    ap.add_argument("--steps", type=int, default=4, help="steps on the tiny model, the first a warm-up")
+    ap.add_argument("--big-steps", type=int, help="steps on the 0.5B-shaped model, the first a warm-up if > 1 "
+                    "(default 3 on GPU; 1 on CPU, where one step takes ~8 min per side on 2 cores)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward, both sides")
     ap.add_argument("--cache", default="/tmp/nanorl-bench", help="where the two models are built once")
     ap.add_argument("--gpu", action="store_true", help="0.5B-shaped only, 16 x 8 x 256, bf16 autocast")
@@ -171,6 +172,7 @@ def main():
     if a.side:
         return worker(a)
     models = build_models(a.cache)
+    a.big_steps = a.big_steps or (3 if a.gpu else 1)
     if a.gpu:
         models.pop("tiny")
     sides = ["nanorl", "trl-defaults", "trl-nockpt" if a.gpu else "trl-fp32"]
@@ -180,11 +182,12 @@ def main():
         sides = sides[:1]
     n_prompts, G, new = SHAPES["gpu" if a.gpu else "cpu"]
     print(f"one GRPO step, {n_prompts} prompts x {G} x {new} new tokens, micro-batch {a.micro_batch}, "
-          f"{'bf16 autocast on GPU' if a.gpu else 'CPU, fp32 weights'}; median of timed steps after one warm-up")
+          f"{'bf16 autocast on GPU' if a.gpu else 'CPU, fp32 weights'}; median over steps after the first "
+          f"(tiny: {a.steps} steps, 0.5B-shaped: {a.big_steps}; one step: no warm-up)")
     print(f"{'side':13} {'model':12} {'gen_s':>7} {'train_s':>8} {'step_s':>7} {'gen tok/s':>9} {'upd tok/s':>9} "
           f"{'peak RSS GB':>11} {'peak GPU GB':>11}")
     for name, path in models.items():
-        steps = 1 + (a.big_steps if name != "tiny" else a.steps)
+        steps = a.steps if name == "tiny" else a.big_steps
         for side in sides:
             py = sys.executable if side == "nanorl" else a.trl_python
             cmd = [py, os.path.abspath(__file__), "--side", side, "--model", path, "--steps", str(steps),
@@ -198,7 +201,8 @@ def main():
             tok, step = n_prompts * G * new, r["gen_s"] + r["train_s"]
             gpu_gb = f"{r['gpu_gb']:11.2f}" if r["gpu_gb"] is not None else f"{'-':>11}"
             print(f"{side:13} {name:12} {r['gen_s']:7.2f} {r['train_s']:8.2f} {step:7.2f} {tok / r['gen_s']:9.0f} "
-                  f"{tok / r['train_s']:9.0f} {r['rss_gb']:11.2f} {gpu_gb}", flush=True)
+                  f"{tok / r['train_s']:9.0f} {r['rss_gb']:11.2f} {gpu_gb}   per step (gen_s, train_s): "
+                  + " ".join(f"({g:.2f}, {u:.2f})" for g, u in r["steps"]), flush=True)
 
 
 if __name__ == "__main__":

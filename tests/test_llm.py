@@ -167,3 +167,13 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny, tmp_path):
     assert a["policy"] and all("lora_" in k for k in a["policy"])     # the adapter, not the frozen base
     assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "full.adapter"))
+
+
+def test_prompts_use_the_chat_template_with_the_thinking_toggle(tiny):
+    pol = policy(tiny)
+    assert pol.encode("1 2=") == pol.tok("1 2=")["input_ids"]          # no template: plain text
+    pol.tok.chat_template = ("{% for m in messages %}={{ m['content'] }},{% endfor %}"
+                             "{% if add_generation_prompt %}{{ '9' if enable_thinking else '0' }}{% endif %}")
+    assert pol.decode(pol.encode("1 2")) == "=1 2,0"                  # template, generation prompt, thinking off
+    pol.thinking = True
+    assert pol.decode(pol.encode("1 2")) == "=1 2,9"
