@@ -103,15 +103,10 @@ class HFPolicy(nn.Module):
         self.thinking = thinking
 
     def encode(self, prompt: str) -> list[int]:
-        """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
-        if self.tok.chat_template:
-            return list(self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=True,
-                                                     enable_thinking=self.thinking)["input_ids"])
-        return self.tok(prompt)["input_ids"]
+        return encode_prompt(self.tok, prompt, self.thinking)
 
     def decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return decode_ids(self.tok, ids)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -189,6 +184,95 @@ def _row_logprobs(logits, targets, temperature, entropy):
     """[K, V] logits (any dtype), [K] targets -> [K] log-probs and [K] entropy (or None), in fp32."""
     lp = torch.log_softmax(logits.float() / temperature, -1)                                      # [K, V] fp32
     return lp.gather(1, targets[:, None])[:, 0], (-(lp.exp() * lp).sum(-1) if entropy else None)
+
+
+def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
+    """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text.
+    Shared by HFPolicy and VLLMGenerator: trainer and worker must see the same prompt ids."""
+    if tok.chat_template:
+        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True, enable_thinking=thinking)["input_ids"])
+    return tok(prompt)["input_ids"]
+
+
+def decode_ids(tok, ids) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def vllm_samples(outputs, eos_ids) -> list[tuple]:
+    """vLLM RequestOutputs (one per prompt, its n samples together) -> HFPolicy.act's list, prompt-major:
+    (completion [C] with the stop token kept, sampler log-probs [C], truncated).
+
+    vLLM keeps the stop token in token_ids (only .text drops it) and returns its log-prob, so it is
+    there exactly once, last. truncated is "no stop token", as in HFPolicy: older vLLM checked the
+    length limit before the stop tokens, so a stop token drawn as the last allowed token said "length"."""
+    samples = []
+    for request in outputs:
+        for out in request.outputs:
+            ids = list(out.token_ids)
+            stopped = bool(ids) and ids[-1] in eos_ids
+            assert stopped or out.finish_reason == "length", f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
+            logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]  # {token id: Logprob}
+            samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32), not stopped))
+    return samples
+
+
+class VLLMGenerator:
+    """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen
+    base serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels.
+
+    Sampling is softmax(logits / temperature) and nothing else: top_p=1 and top_k=0 (off), and the
+    model's generation_config is not read. The log-probs are taken after temperature
+    (processed_logprobs): vLLM's default raw_logprobs come before it and made a first-token ratio of
+    2.0 at T=0.6. They only feed the logged logp_gap; the trainer recomputes old_logp itself.
+    """
+    RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
+
+    def __init__(self, name, lora_r, max_staleness, temperature=1.0, max_new_tokens=256, dtype="bfloat16",
+                 gpu_memory_utilization=0.85, max_model_len=4096, seed=0, thinking=False):
+        if lora_r not in self.RANKS:
+            raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of {', '.join(map(str, self.RANKS))}")
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise ValueError("--vllm needs vLLM on a CUDA machine: pip install vllm") from None
+        from transformers import AutoTokenizer, GenerationConfig
+        self.tok = AutoTokenizer.from_pretrained(name)
+        try:
+            gen_eos = GenerationConfig.from_pretrained(name).eos_token_id
+        except OSError:                                 # no generation_config.json: the tokenizer's EOS alone
+            gen_eos = None
+        self.eos = sorted({self.tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+        self.temperature, self.max_new_tokens, self.thinking, self.lora = temperature, max_new_tokens, thinking, None
+        self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, enable_lora=True, max_lora_rank=lora_r,
+                       max_loras=max_staleness + 1,     # every adapter version still in flight
+                       logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm")
+
+    def encode(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tok, prompt, self.thinking)
+
+    def decode(self, ids) -> str:
+        return decode_ids(self.tok, ids)
+
+    def load_adapter(self, version: int, path: str):
+        """Serve `version`'s adapter (a PEFT directory) from now on. vLLM caches adapters by name, so
+        every version gets its own; lora_int_id 0 is reserved, and versions start at 1."""
+        from vllm.lora.request import LoRARequest
+        assert version >= 1, version
+        self.lora = LoRARequest(lora_name=f"nanorl-v{version}", lora_int_id=version, lora_path=path)
+
+    def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
+        """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)].
+        vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the prompt is repeated instead."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        n, copies = (1, group_size) if greedy else (group_size, 1)
+        params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
+                                max_tokens=self.max_new_tokens,  # the default is 16
+                                logprobs=0, stop_token_ids=self.eos, seed=None)  # logprobs=0: the sampled token's
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(copies)]
+        return vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False), self.eos)
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):

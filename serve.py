@@ -135,6 +135,25 @@ def unpack_adapter(data: bytes, dest_dir: str) -> str:
 
 # ---- the trainer's side ----
 
+class Snapshots:
+    """The trainable tensors of the last k + 2 versions, kept by every trainer rank: a batch sampled at
+    version v is used by version v + k at the latest, and its old log-probs need v's exact weights."""
+
+    def __init__(self, max_staleness: int):
+        self.keep, self.by_version = max_staleness + 2, {}
+
+    def add(self, version: int, tensors: dict) -> dict:
+        # the clone is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the
+        # optimizer then changes under the snapshot that old log-probs are recomputed with
+        self.by_version[version] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        while len(self.by_version) > self.keep:
+            del self.by_version[min(self.by_version)]
+        return self.by_version[version]
+
+    def get(self, version: int) -> dict | None:
+        return self.by_version.get(version)
+
+
 class TrainerServer:
     """Weights out, batches in, on the trainer (rank 0); k = max_staleness, bps = batches_per_step.
 
@@ -156,7 +175,7 @@ class TrainerServer:
         self.capacity, self.host, self.port, self._httpd = (max_staleness + 1) * batches_per_step, host, port, None
         self.version, self.names, self._weights, self._adapter = 0, {}, None, None
         self._step_s, self._published = 1.0, 0.0    # seconds per version: the 429's retry_after hint
-        self._snapshots, self._queue, self._leases, self._taken = {}, deque(), {}, {}
+        self._queue, self._leases, self._taken = deque(), {}, {}
         self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted leases_refused "
                                       "leases_expired".split(), 0)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
@@ -180,25 +199,16 @@ class TrainerServer:
             self._httpd = None
 
     def publish(self, version: int, tensors: dict, adapter_files: dict[str, bytes] | None = None):
-        """Make `version` current: snapshot the trainable tensors, serialize them once for every worker."""
-        # the clone is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the
-        # optimizer then changes under the worker (and under the snapshot old_logp is recomputed with)
-        snap = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
-        blob, tar = tensors_to_bytes(snap), _tar(adapter_files) if adapter_files else None
+        """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
+        the live parameters), for every worker that asks."""
+        blob, tar = tensors_to_bytes(tensors), _tar(adapter_files) if adapter_files else None
         with self._cv:
             if not (isinstance(version, int) and version > max(self.version, 0)):
                 raise ValueError(f"publish version {version!r}: versions start at 1 and only increase ({self.version})")
             now = time.monotonic()
             self._step_s, self._published, self._taken = now - self._published if self.version else 1.0, now, {}
-            self.version, self.names, self._weights, self._adapter = version, describe(snap), blob, tar
-            self._snapshots[version] = snap
-            while len(self._snapshots) > self.k + 2:   # a batch of version v is used by v + k at the latest
-                del self._snapshots[min(self._snapshots)]
+            self.version, self.names, self._weights, self._adapter = version, describe(tensors), blob, tar
             self._cv.notify_all()
-
-    def snapshot(self, version: int) -> dict | None:
-        with self._cv:
-            return self._snapshots.get(version)
 
     def count(self, name: str, n: int = 1):
         with self._cv:
@@ -225,7 +235,9 @@ class TrainerServer:
                     self._queue.extendleft(reversed(out))
                     self._taken[current_version] = self._taken.get(current_version, 0) - len(out)
                     raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers running?")
-                b = self._queue.popleft()
+                i = min(range(len(self._queue)), key=lambda j: self._queue[j].version)
+                b = self._queue[i]                  # oldest first: a slow worker's batch is not
+                del self._queue[i]                  # overtaken into staleness by newer ones
                 if current_version - b.version > self.k:       # sampled more than k versions ago
                     self.counters["dropped_stale"] += 1
                     continue
@@ -354,14 +366,16 @@ class TrainerClient:
     an HTTP error raises Rejected at once with the trainer's reason. A retried POST /batch whose first try
     did land gets 409: leases are single-use, so a batch is never queued twice."""
 
-    def __init__(self, url: str, token: str, timeout: float = 60.0, retries: int = 5, backoff: float = 0.5):
-        self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
+    def __init__(self, url: str, token: str, timeout: float = 60.0, patience: float = 15.0, backoff: float = 0.5):
+        self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
         self.auth, self.retry_after = {"Authorization": f"Bearer {token}"}, 0.0
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no http_proxy sees the token
 
     def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        for attempt in range(self.retries):
+        start, attempt = time.monotonic(), 0
+        while attempt == 0 or time.monotonic() - start < self.patience:
             time.sleep(min(self.backoff * (2 ** attempt - 1), 8.0))     # 0, 1, 3, 7, .. x backoff, capped
+            attempt += 1
             try:
                 with self._open(urllib.request.Request(self.url + path, body, self.auth, method=method),
                                 timeout=self.timeout) as r:
@@ -371,7 +385,7 @@ class TrainerClient:
                 raise Rejected(e.code, str(extra.pop("error", e.reason)), **extra) from None
             except (urllib.error.URLError, OSError, HTTPException) as e:
                 err = e
-        raise TrainerGone(f"no answer from {self.url} after {self.retries} tries ({err}): the trainer is gone")
+        raise TrainerGone(f"no answer from {self.url} for {self.patience:g} s ({err}): the trainer is gone")
 
     def version(self) -> int:
         return json.loads(self._call("GET", "/version"))["version"]

@@ -26,13 +26,15 @@ import inspect  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
-from model import HFPolicy, MLPPolicy  # noqa: E402
+from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
+from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
 from tasks import TASKS  # noqa: E402
 from utils import (Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed,  # noqa: E402
                    masked_mean, masked_sum)
@@ -80,6 +82,20 @@ class Config:
     thinking: bool = arg(False, "enable_thinking for hybrid-reasoning chat templates (Qwen3)")
     overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
+    # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
+    role: str = arg("sync", "sync: rollout and update in this process; trainer: serve weights, learn from "
+                            "workers' batches; rollout: generate for --trainer-url, never a gradient")
+    trainer_url: str = arg("", "rollout: the trainer's URL, e.g. http://10.0.0.1:8471")
+    serve_host: str = arg("0.0.0.0", "trainer: interface to listen on (0.0.0.0: all, for clusters)")
+    serve_port: int = arg(8471, "trainer: port (0: pick a free one and log it)")
+    max_staleness: int = arg(2, "k: train on a batch sampled at version v only if current - v <= k; the "
+                                "queue holds k+1 batches per rank, the trainer keeps k+2 weight snapshots")
+    batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
+    tis_cap: float = arg(0.0, "truncated importance sampling against the sampler: A *= min(p_old/p_sampler, C), "
+                              "detached (0: off)")
+    vllm: bool = arg(False, "rollout: generate with vLLM (a CUDA machine; needs --lora)")
+    trainer_patience: float = arg(120.0, "rollout: seconds without an answer before the trainer counts as gone "
+                                         "(a trainer restarting with --resume must be back within it)")
     # advantages
     gamma: float = arg(0.99, "discount (reinforce, reinforce_baseline, ppo)")
     lam: float = arg(0.95, "GAE lambda (ppo)")
@@ -105,7 +121,9 @@ class Config:
 
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "zero_std_frac", "completion_len",
-           "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps"]
+           "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", "received",
+           "used", "dropped_stale", "dropped_no_snapshot", "evicted", "gap_out_frac"]
+QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted"]
 
 
 def train(cfg: Config) -> dict:
@@ -113,6 +131,8 @@ def train(cfg: Config) -> dict:
     validate(cfg, world)
     task = make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
+    if cfg.role == "rollout":
+        return rollout_worker(cfg, task)
     policy = make_policy(cfg, task)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
@@ -120,20 +140,34 @@ def train(cfg: Config) -> dict:
     log = Logger(cfg.out + ".csv", COLUMNS, resume=bool(cfg.resume), enabled=rank == 0)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
+    snapshots, server = Snapshots(cfg.max_staleness), None
+    if cfg.role == "trainer":                           # versions continue across --resume: version = step + 1
+        if rank == 0:
+            server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, cfg.n_prompts // world),
+                                   cfg.max_staleness, world, cfg.serve_host, cfg.serve_port).start()
+            log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
+        publish(policy, cfg, state["step"] + 1, snapshots, server)
     row = {}
     if cfg.eval_every and state["step"] == 0:          # where the policy starts, for the curve
         log.log({"step": 0, "env_steps": 0, **task.evaluate(policy)})
     for step in range(state["step"] + 1, cfg.steps + 1):
         t0 = time.time()
         torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
-        # 1. rollout: the sync source; the async trainer swaps in its queue here
-        batch = sync_batch(task, policy, cfg, step, rank, world).to(policy.device)
+        # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
+        if cfg.role == "trainer":
+            batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world)
+        else:
+            batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
         t1 = time.time()
         # 2. advantage: the only line that differs between algorithms
         adv, target = estimator(batch, policy, **hparams)
         # 3. update
-        stats = update(policy, opt, batch, adv, target, cfg, task.max_len)
-        # 4. log, evaluate, checkpoint
+        stats = update(policy, opt, batch, adv, target, cfg, task.max_len, old_logp)
+        # 4. publish (async), log, evaluate, checkpoint
+        if cfg.role == "trainer":
+            publish(policy, cfg, step + 1, snapshots, server)
+            stats["staleness"] = all_sum(step - batch.version) / world
+            stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
         t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
         state = {"step": step, "env_steps": state["env_steps"] + n_tok}
         row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
@@ -178,6 +212,17 @@ def validate(cfg: Config, world: int = 1):
                       "reference, free) or --ref-copy (a frozen copy: twice the weight memory)")
     if cfg.ref_copy and (cfg.lora or not cfg.kl_coef):
         errors.append("--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it")
+    if cfg.role not in ("sync", "trainer", "rollout"):
+        errors.append(f"--role {cfg.role} is unknown: use sync, trainer or rollout")
+    elif cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"):
+        errors.append(f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: "
+                      f"export NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')")
+    if cfg.role == "rollout" and not cfg.trainer_url.startswith(("http://", "https://")):
+        errors.append("--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port)")
+    if cfg.vllm and not (cfg.role == "rollout" and cfg.lora):
+        errors.append("--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")
+    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.tis_cap < 0:
+        errors.append("need --max-staleness >= 0, --batch-timeout > 0 and --tis-cap >= 0 (0: off)")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         errors.append(f"--dtype {cfg.dtype} is unknown: use float32, bfloat16 or float16")
     if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
@@ -213,10 +258,64 @@ def make_policy(cfg: Config, task):
     if not cfg.is_llm:
         return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
                          reference=cfg.kl_coef > 0)
+    if cfg.vllm:
+        return VLLMGenerator(cfg.model, cfg.lora_r, cfg.max_staleness, temperature=cfg.temperature,
+                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed, thinking=cfg.thinking)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     return HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
                     dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                     gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
+
+
+def rollout_worker(cfg: Config, task) -> dict:
+    """--role rollout: lease a slot, pull the weights if the version changed, generate, score, submit,
+    repeat. Never computes a gradient. Exits cleanly once the trainer stops answering."""
+    client, policy, version, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience), None, 0, 0
+    try:
+        info = client.info()
+        per_batch = info["fingerprint"]["prompts_per_batch"]
+        policy = make_policy(cfg, task)
+        client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
+        print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch", flush=True)
+        while True:
+            lease = client.lease()                      # admission control: no work that would arrive too stale
+            if lease is None:
+                time.sleep(client.retry_after)
+                continue
+            v, lease_id = lease
+            while v != version:                         # pull only when the version changed
+                try:
+                    load_weights(policy, client, v, cfg)
+                    version = v
+                except Rejected as e:                   # published again since the lease: take the newer one
+                    if e.status != 404:
+                        raise
+                    v = client.version()
+            seed = int(lease_id[:15], 16)               # leases are random: workers draw different prompts
+            torch.manual_seed(seed)
+            batch = task.rollout(policy, task.sample(per_batch, np.random.default_rng([cfg.seed, seed])), cfg.group_size)
+            batch.version = v
+            if cfg.is_llm and not cfg.vllm:             # the trainer's scoring kernels: logp_gap is exactly 0
+                batch.logp = torch.cat([policy.logprobs(batch[s])[0].detach().cpu()
+                                        for s in batch.micro_batches(cfg.micro_batch)])
+            try:
+                client.submit(batch, lease_id)
+                n += 1
+            except Rejected as e:                       # e.g. a trainer restarted with --resume: lease unknown
+                print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
+    except TrainerGone as e:
+        print(f"worker: {e}; exiting after {n} batches", flush=True)
+    return {"batches": n}
+
+
+def load_weights(policy, client, version: int, cfg: Config):
+    if cfg.vllm:
+        policy.load_adapter(version, client.adapter(version, os.path.join(tempfile.gettempdir(), f"nanorl-adapter-{version}")))
+        return
+    tensors = client.weights(version)
+    with torch.no_grad():
+        for n, p in trainable(policy).items():
+            p.copy_(tensors[n])
 
 
 def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
@@ -224,6 +323,72 @@ def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
     under the current weights. Prompts depend on (seed, step) only, so ranks shard one global set."""
     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
     return task.rollout(policy, prompts[rank::world], cfg.group_size)
+
+
+def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
+    """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
+    keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
+            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness")
+    return {**{k: getattr(cfg, k) for k in keys}, "prompts_per_batch": prompts_per_batch}
+
+
+def trainable(policy) -> dict:
+    return {n: p for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def publish(policy, cfg: Config, version: int, snapshots, server):
+    """Weights version `version`: every rank keeps a snapshot (old log-probs need it), rank 0 serves it,
+    with the LoRA adapter in PEFT's on-disk format for vLLM workers."""
+    snap = snapshots.add(version, trainable(policy))
+    if server is not None:
+        files = None
+        if cfg.lora:
+            with tempfile.TemporaryDirectory() as d:
+                policy.model.save_pretrained(d)
+                files = {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
+        server.publish(version, snap, files)
+
+
+def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int, world: int):
+    """Where batches come from for --role trainer: one worker batch per rank per step (the server drops
+    those staler than k), and old log-probs recomputed here, under the snapshot of the version that
+    sampled it. A batch whose snapshot is gone (e.g. sampled before a --resume) is dropped and counted,
+    never trained on. -> (batch, old_logp per micro-batch, or None when sampled by these very weights)"""
+    while True:
+        batches = [None] * world
+        if rank == 0:
+            try:
+                batches = server.next_batches(world, version, cfg.batch_timeout)
+            except TimeoutError:
+                if world == 1:
+                    raise
+        got = batches[:1]
+        if world > 1:                                   # ranks stop together instead of hanging
+            torch.distributed.scatter_object_list(got, batches if rank == 0 else None, src=0)
+        if got[0] is None:
+            raise TimeoutError(f"no worker batch within --batch-timeout {cfg.batch_timeout} s: are workers running?")
+        batch, snap = got[0].to(policy.device), snapshots.get(got[0].version)
+        if all_sum(float(snap is None)):                # ranks drop together to stay in step
+            if server:
+                server.count("dropped_no_snapshot", world)
+                server.count("used", -world)
+            continue
+        return batch, None if batch.version == version else old_logprobs(policy, batch, snap, cfg.micro_batch)
+
+
+@torch.no_grad()
+def old_logprobs(policy, batch, snapshot: dict, micro_batch: int) -> list:
+    """Swap in the weights that sampled the batch, score it micro-batch by micro-batch exactly as
+    update() will, restore the current weights bit for bit. -> [[mb, T] per micro-batch]"""
+    params = trainable(policy)
+    current = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        for n, p in params.items():
+            p.copy_(snapshot[n])
+        return [policy.logprobs(batch[s])[0] for s in batch.micro_batches(micro_batch)]
+    finally:
+        for n, p in params.items():
+            p.copy_(current[n])
 
 
 def batch_stats(batch) -> dict:
@@ -251,7 +416,7 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
-STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap"]
+STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap", "gap_out_frac"]
 
 
 def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None):
@@ -273,6 +438,8 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             logp, ent = policy.logprobs(mb, entropy=True)                    # [mb, T] each
             if old[i] is None:
                 old[i] = logp.detach()
+            if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
+                a = a * torch.exp(old[i] - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
             kl = torch.zeros_like(logp)
@@ -287,8 +454,9 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             loss.backward()
             clipped = (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high)
             per_tok = lambda x: masked_sum(x.detach().float(), m).item() / n_tok
-            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped),
-                                    per_tok(kl), per_tok(ent), per_tok((mb.logp - old[i]).abs()))):
+            gap = mb.logp - old[i]                      # sampler's minus ours: 0 with the same kernels
+            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped), per_tok(kl),
+                                    per_tok(ent), per_tok(gap.abs()), per_tok((gap.exp() - 1).abs() > 0.1))):
                 sums[k] += v
         all_reduce_grads([p for ps in groups.values() for p in ps])
         norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)

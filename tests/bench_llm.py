@@ -1,18 +1,18 @@
 """LLM step speed: one GRPO step (8 prompts x 8 completions x 32 new tokens) for NanoRL and TRL's
 GRPOTrainer side by side, on the tiny char LM and on a Qwen2-0.5B-shaped model with random weights.
 
-    python tests/bench_llm.py [--trl-python /tmp/trl-venv/bin/python] [--steps 4] [--big-steps 1]
+    python tests/bench_llm.py [--trl-python /tmp/trl-venv/bin/python] [--steps 6] [--big-steps 1] [--models tiny]
     python tests/bench_llm.py --gpu          # 0.5B-shaped, 16 x 8 x 256, bf16 autocast, tokens/s
 
 TRL is not a NanoRL dependency; install it into its own venv that reuses torch and transformers:
     python -m venv --system-site-packages /tmp/trl-venv && /tmp/trl-venv/bin/pip install trl
-Each side runs in its own subprocess (so peak RSS / GPU memory is its own); the median over the
-steps after the first (a warm-up), or the one step when only one is run (the 0.5B-shaped model on CPU). Prompts are MaxDigit's ("381="). EOS is made unreachable on both
-sides so every completion is exactly max_new_tokens long: NanoRL stops on an id outside the vocab,
-TRL gets generation_kwargs min_new_tokens = max_new_tokens. gen_s is generation (+ reward for NanoRL);
-for TRL it is the time inside model.generate and train_s is the rest of its step. Both sides
-use micro-batches of --micro-batch rows and one optimizer step per 64 (GPU: 128) completions.
-Model weights start fp32 on both; asserts nothing about speed.
+Each side runs in its own subprocess (so peak RSS / GPU memory is its own); times are medians over
+the steps after the first (a warm-up), or the one step when only one is run (0.5B-shaped on CPU).
+Prompts are MaxDigit's ("381="). EOS is made unreachable so every completion is exactly
+max_new_tokens long: NanoRL stops on an id outside the vocab, TRL gets min_new_tokens. gen_s is
+generation (+ reward) for NanoRL, the time inside model.generate for TRL; train_s is the rest of the
+step. tok/s counts completion tokens. Both sides use micro-batches of --micro-batch rows, one
+optimizer step per 64 (GPU: 128) completions, fp32 master weights. Asserts nothing about speed.
 """
 import argparse
 import json
@@ -28,6 +28,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = "/tmp/trl-venv/bin/python"
 SHAPES = {"cpu": (8, 8, 32), "gpu": (16, 8, 256)}   # n_prompts, group size G, max_new_tokens
+SIDES = {"cpu": "nanorl,trl-defaults,trl-fp32", "gpu": "nanorl,trl-defaults,trl-nockpt"}
+TRL_ARGS = {"trl-defaults": {}, "trl-fp32": dict(bf16=False, gradient_checkpointing=False),
+            "trl-nockpt": dict(gradient_checkpointing=False)}  # TRL's defaults: bf16 autocast, checkpointing
 
 
 def build_models(cache):
@@ -59,14 +62,14 @@ def peak(gpu):
             "gpu_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
 
 
-def run_nanorl(model, steps, micro_batch, gpu):
+def run_nanorl(model, steps, micro_batch, gpu, bf16):
     sys.path.insert(0, ROOT)
     import torch
     import train
     n_prompts, G, new = SHAPES["gpu" if gpu else "cpu"]
     cfg = train.Config(task="maxdigit", model=model, algo="grpo", group_size=G, n_prompts=n_prompts,
                        max_new_tokens=new, loss_agg="seq", micro_batch=micro_batch, gen_batch=n_prompts * G,
-                       lr=1e-5, eval_every=0, solve_at=0, dtype="bfloat16" if gpu else "float32")
+                       lr=1e-5, eval_every=0, solve_at=0, dtype="bfloat16" if bf16 else "float32")
     train.validate(cfg)
     task = train.make_task(cfg)
     torch.manual_seed(0)
@@ -127,69 +130,70 @@ def run_trl(model, steps, micro_batch, gpu, variant):
             sync()
             step_times.append((sum(gen_s[self.n_gen:]), time.time() - self.t, len(gen_s) - self.n_gen))
 
-    ckpt = {"trl-defaults": {}, "trl-fp32": dict(bf16=False, gradient_checkpointing=False),
-            "trl-nockpt": dict(gradient_checkpointing=False)}[variant]
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(output_dir=out, per_device_train_batch_size=micro_batch, num_generations=G,
                           gradient_accumulation_steps=n_prompts * G // micro_batch, max_completion_length=new,
                           generation_kwargs={"min_new_tokens": new}, temperature=1.0, beta=0.0, learning_rate=1e-5,
                           loss_type="grpo", use_vllm=False, use_cpu=not gpu, max_steps=steps, report_to="none",
-                          logging_strategy="no", save_strategy="no", disable_tqdm=True, **ckpt)
+                          logging_strategy="no", save_strategy="no", disable_tqdm=True, **TRL_ARGS[variant])
         trainer = GRPOTrainer(model=net, reward_funcs=reward, args=args, train_dataset=Dataset.from_dict(
             {"prompt": prompts}), processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Timer()])
         trainer.train()
     assert len(lengths) == steps * n_prompts * G and set(lengths) == {new}, (len(lengths), set(lengths))
     assert all(n == 1 for _, _, n in step_times), f"expected one generate call per step: {step_times}"
-    print(f"trl {trl.__version__}: bf16={args.bf16} gradient_checkpointing={args.gradient_checkpointing}",
-          file=sys.stderr)
-    return [(g, s - g) for g, s, _ in step_times]
+    note = f"trl {trl.__version__}, bf16={args.bf16}, gradient_checkpointing={args.gradient_checkpointing}"
+    return [(g, s - g) for g, s, _ in step_times], note
 
 
 def worker(a):
     import torch
     torch.manual_seed(0)
-    if a.side == "nanorl":
-        times = run_nanorl(a.model, a.steps, a.micro_batch, a.gpu)
+    if a.side.startswith("nanorl"):
+        bf16 = a.gpu or a.side == "nanorl-bf16"
+        times, note = run_nanorl(a.model, a.steps, a.micro_batch, a.gpu, bf16), f"dtype {'bf16' if bf16 else 'fp32'}"
     else:
-        times = run_trl(a.model, a.steps, a.micro_batch, a.gpu, a.side)
+        times, note = run_trl(a.model, a.steps, a.micro_batch, a.gpu, a.side)
     timed = times[1:] or times                          # the first step is the warm-up, if there are two
     gen, upd = statistics.median(t[0] for t in timed), statistics.median(t[1] for t in timed)
-    print("RESULT " + json.dumps({"gen_s": gen, "train_s": upd, "steps": times, **peak(a.gpu)}), flush=True)
+    r = {"gen_s": gen, "train_s": upd, "steps": times, "note": note, **peak(a.gpu)}
+    print("RESULT " + json.dumps(r), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trl-python", default=TRL_VENV if os.path.exists(TRL_VENV) else "")
-    ap.add_argument("--steps", type=int, default=4, help="steps on the tiny model, the first a warm-up")
+    ap.add_argument("--steps", type=int, default=6, help="steps on the tiny model, the first a warm-up")
     ap.add_argument("--big-steps", type=int, help="steps on the 0.5B-shaped model, the first a warm-up if > 1 "
-                    "(default 3 on GPU; 1 on CPU, where one step takes ~8 min per side on 2 cores)")
+                    "(default 3 on GPU; 1 on CPU, where a step takes 1.5-4 min per side on 2 idle cores)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per forward/backward, both sides")
     ap.add_argument("--cache", default="/tmp/nanorl-bench", help="where the two models are built once")
+    ap.add_argument("--models", default="tiny,0.5B-shaped", help="comma-separated subset")
+    ap.add_argument("--sides", help=f"default {SIDES['cpu']} (--gpu: {SIDES['gpu']}, nanorl is bf16 there); "
+                    f"also nanorl-bf16: bf16 autocast on CPU, like TRL's defaults")
     ap.add_argument("--gpu", action="store_true", help="0.5B-shaped only, 16 x 8 x 256, bf16 autocast")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: one side, one model
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.side:
         return worker(a)
-    models = build_models(a.cache)
+    models = {k: v for k, v in build_models(a.cache).items()
+              if k in a.models.split(",") and not (a.gpu and k == "tiny")}
     a.big_steps = a.big_steps or (3 if a.gpu else 1)
-    if a.gpu:
-        models.pop("tiny")
-    sides = ["nanorl", "trl-defaults", "trl-nockpt" if a.gpu else "trl-fp32"]
+    sides = (a.sides or SIDES["gpu" if a.gpu else "cpu"]).split(",")
     if not a.trl_python:
-        print(f"TRL not installed: run  python -m venv --system-site-packages {os.path.dirname(os.path.dirname(TRL_VENV))}"
-              f" && {TRL_VENV[:-6]}pip install trl   (TRL rows skipped)")
-        sides = sides[:1]
+        print("TRL not installed: run  python -m venv --system-site-packages /tmp/trl-venv && "
+              "/tmp/trl-venv/bin/pip install trl   (TRL rows skipped)")
+        sides = [s for s in sides if s.startswith("nanorl")]
     n_prompts, G, new = SHAPES["gpu" if a.gpu else "cpu"]
     print(f"one GRPO step, {n_prompts} prompts x {G} x {new} new tokens, micro-batch {a.micro_batch}, "
-          f"{'bf16 autocast on GPU' if a.gpu else 'CPU, fp32 weights'}; median over steps after the first "
-          f"(tiny: {a.steps} steps, 0.5B-shaped: {a.big_steps}; one step: no warm-up)")
+          f"{'GPU' if a.gpu else 'CPU'}; median over steps after the first (tiny: {a.steps} steps, 0.5B-shaped: "
+          f"{a.big_steps}; one step: no warm-up)")
     print(f"{'side':13} {'model':12} {'gen_s':>7} {'train_s':>8} {'step_s':>7} {'gen tok/s':>9} {'upd tok/s':>9} "
           f"{'peak RSS GB':>11} {'peak GPU GB':>11}")
     for name, path in models.items():
         steps = a.steps if name == "tiny" else a.big_steps
         for side in sides:
-            py = sys.executable if side == "nanorl" else a.trl_python
+            py = sys.executable if side.startswith("nanorl") else a.trl_python
             cmd = [py, os.path.abspath(__file__), "--side", side, "--model", path, "--steps", str(steps),
                    "--micro-batch", str(a.micro_batch)] + ["--gpu"] * a.gpu
             p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -201,7 +205,7 @@ def main():
             tok, step = n_prompts * G * new, r["gen_s"] + r["train_s"]
             gpu_gb = f"{r['gpu_gb']:11.2f}" if r["gpu_gb"] is not None else f"{'-':>11}"
             print(f"{side:13} {name:12} {r['gen_s']:7.2f} {r['train_s']:8.2f} {step:7.2f} {tok / r['gen_s']:9.0f} "
-                  f"{tok / r['train_s']:9.0f} {r['rss_gb']:11.2f} {gpu_gb}   per step (gen_s, train_s): "
+                  f"{tok / r['train_s']:9.0f} {r['rss_gb']:11.2f} {gpu_gb}   {r['note']}; per step (gen_s, train_s): "
                   + " ".join(f"({g:.2f}, {u:.2f})" for g, u in r["steps"]), flush=True)
 
 
