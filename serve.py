@@ -231,7 +231,9 @@ class TrainerServer:
         out, deadline = [], time.monotonic() + timeout
         with self._cv:
             while len(out) < n:
-                if not self._cv.wait_for(lambda: self._queue, deadline - time.monotonic()):
+                while not self._ready(current_version) and time.monotonic() < deadline:
+                    self._cv.wait(min(0.5, deadline - time.monotonic()))  # wakes on submits; leases expire by time
+                if not self._ready(current_version):
                     self._queue.extendleft(reversed(out))
                     self._taken[current_version] = self._taken.get(current_version, 0) - len(out)
                     raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers running?")
@@ -245,6 +247,13 @@ class TrainerServer:
                 self._taken[current_version] = self._taken.get(current_version, 0) + 1
             self.counters["used"] += n
         return out
+
+    def _ready(self, current_version: int) -> bool:
+        """A batch can be taken now, unless a lease granted k versions ago is still out: its batch is
+        usable at this step or never, so wait for it (or for the lease to expire: a dead worker)."""
+        self._expire(time.monotonic())
+        due = [v for v, _ in self._leases.values() if current_version - v >= self.k]
+        return bool(self._queue) and not (due and min(q.version for q in self._queue) > min(due))
 
     # ---- endpoints: (query, body) -> dict (JSON) or (bytes, headers); Rejected or ValueError for a 4xx ----
 

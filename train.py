@@ -91,6 +91,8 @@ class Config:
     max_staleness: int = arg(2, "k: train on a batch sampled at version v only if current - v <= k; the "
                                 "queue holds k+1 batches per rank, the trainer keeps k+2 weight snapshots")
     batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
+    lease_timeout: float = arg(600.0, "trainer: seconds a worker may take for a batch; a dead worker's slot (and a "
+                                      "step waiting for its batch) frees after this")
     tis_cap: float = arg(0.0, "truncated importance sampling against the sampler: A *= min(p_old/p_sampler, C), "
                               "detached (0: off)")
     vllm: bool = arg(False, "rollout: generate with vLLM (a CUDA machine; needs --lora)")
@@ -144,7 +146,8 @@ def train(cfg: Config) -> dict:
     if cfg.role == "trainer":                           # versions continue across --resume: version = step + 1
         if rank == 0:
             server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, cfg.n_prompts // world),
-                                   cfg.max_staleness, world, cfg.serve_host, cfg.serve_port).start()
+                                   cfg.max_staleness, world, cfg.serve_host, cfg.serve_port,
+                                   lease_timeout=cfg.lease_timeout).start()
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
         publish(policy, cfg, state["step"] + 1, snapshots, server)
     row = {}
@@ -221,8 +224,8 @@ def validate(cfg: Config, world: int = 1):
         errors.append("--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port)")
     if cfg.vllm and not (cfg.role == "rollout" and cfg.lora):
         errors.append("--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")
-    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.tis_cap < 0:
-        errors.append("need --max-staleness >= 0, --batch-timeout > 0 and --tis-cap >= 0 (0: off)")
+    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
+        errors.append("need --max-staleness >= 0, --batch-timeout > 0, --lease-timeout > 0 and --tis-cap >= 0")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
         errors.append(f"--dtype {cfg.dtype} is unknown: use float32, bfloat16 or float16")
     if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):

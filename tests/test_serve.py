@@ -339,3 +339,30 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     client.submit(make_batch(seed=7), client.lease()[1])
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], make_batch(seed=7))
     assert server.counters["received"] == 2
+
+
+def test_a_batch_due_now_is_waited_for_not_overtaken(serve):
+    """k = 1. Lease a at v1; the trainer moves to v2; lease b at v2 and b's batch arrives first. At v2,
+    a's batch is usable now or never (2 - 1 = k), so the trainer waits for it instead of taking b's."""
+    server, client = serve(max_staleness=1)
+    _, lease_a = client.lease()
+    server.publish(2, {"w": torch.zeros(3)})
+    _, lease_b = client.lease()
+    client.submit(make_batch(version=2, seed=2), lease_b)
+    import threading
+    threading.Timer(0.3, lambda: client.submit(make_batch(version=1, seed=1), lease_a)).start()
+    got = server.next_batches(1, 2, timeout=5)
+    assert same_batch(got[0], make_batch(version=1, seed=1))
+    assert server.counters["dropped_stale"] == 0
+
+
+def test_a_dead_workers_due_lease_stops_blocking_when_it_expires(serve):
+    server, client = serve(max_staleness=1, lease_timeout=0.5)
+    client.lease()                                                  # this worker dies
+    server.publish(2, {"w": torch.zeros(3)})
+    _, lease_b = client.lease()
+    client.submit(make_batch(version=2, seed=2), lease_b)
+    t0 = time.monotonic()
+    got = server.next_batches(1, 2, timeout=5)
+    assert 0.3 < time.monotonic() - t0 < 3 and same_batch(got[0], make_batch(version=2, seed=2))
+    assert server.counters["leases_expired"] == 1
