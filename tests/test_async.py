@@ -214,3 +214,26 @@ def test_worker_refuses_a_trainer_with_other_settings(tmp_path):
         assert "refusing to run: setting 'hidden': trainer 64, worker 32" in (tmp_path / "w.log").read_text()
     finally:
         trainer.kill()
+
+
+def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
+    port, master = free_port(), free_port()
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(master),
+           "train.py", "--role", "trainer", "--serve-port", str(port), "--n-prompts", 8, "--solve-at", 0,
+           "--eval-every", 0, "--batch-timeout", 5]
+    trainer = subprocess.Popen([*map(str, run), "--steps", "6", "--out", str(tmp_path / "dp")], cwd=ROOT, env=ENV,
+                               stdout=open(tmp_path / "t.log", "w"), stderr=subprocess.STDOUT)
+    ws = workers(port, 2)
+    try:
+        assert wait(trainer, 180) == 0, (tmp_path / "t.log").read_text()[-3000:]
+        assert wait(ws[0], 60) == 0
+    finally:
+        for w in ws:
+            w.kill()
+    last = rows(tmp_path / "dp.csv")[-1]
+    assert last["step"] == "6" and int(last["used"]) == 12             # one worker batch per rank per step
+    # no workers at all: both ranks give up after --batch-timeout together, instead of hanging
+    t0 = time.time()
+    alone = subprocess.run([*map(str, run), "--steps", "2", "--out", str(tmp_path / "alone")], cwd=ROOT, env=ENV,
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode != 0 and "TimeoutError" in alone.stdout + alone.stderr and time.time() - t0 < 60
