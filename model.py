@@ -96,8 +96,7 @@ class HFPolicy(nn.Module):
             print(f"warning: --ref-copy keeps a second copy of {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
                   f"parameters for the KL reference; --lora gets it for free", flush=True)
             self.ref = copy.deepcopy(model).requires_grad_(False).to(self.dtype)
-        gen_eos = model.generation_config.eos_token_id  # every EOS the model declares (Qwen: 2 of them)
-        self.eos = sorted({self.tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+        self.eos = stop_ids(self.tok, model.generation_config.eos_token_id)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
         self.temperature, self.max_new_tokens, self.gen_batch = temperature, max_new_tokens, gen_batch
         self.thinking = thinking
@@ -195,6 +194,12 @@ def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
     return tok(prompt)["input_ids"]
 
 
+def stop_ids(tok, generation_eos) -> list[int]:
+    """Every EOS id the model declares: the tokenizer's and generation_config's (Qwen lists 2)."""
+    listed = generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return sorted({tok.eos_token_id, *listed} - {None})
+
+
 def decode_ids(tok, ids) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
@@ -242,7 +247,7 @@ class VLLMGenerator:
             gen_eos = GenerationConfig.from_pretrained(name).eos_token_id
         except OSError:                                 # no generation_config.json: the tokenizer's EOS alone
             gen_eos = None
-        self.eos = sorted({self.tok.eos_token_id, *(gen_eos if isinstance(gen_eos, list) else [gen_eos])} - {None})
+        self.eos = stop_ids(self.tok, gen_eos)
         self.temperature, self.max_new_tokens, self.thinking, self.lora = temperature, max_new_tokens, thinking, None
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_lora=True, max_lora_rank=lora_r,
