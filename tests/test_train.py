@@ -157,3 +157,18 @@ def test_cli_prints_the_error_not_a_traceback():
     p = subprocess.run([sys.executable, "train.py", "--algo", "grpo"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.startswith("error: --algo grpo needs --group-size >= 2")
     assert "Traceback" not in p.stderr
+
+
+def test_our_adam_equals_torch_adam():
+    """utils.Adam exists only to skip torch.optim's 1.3 s import of torch._dynamo: it must be Adam exactly."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a, b = Adam([ours[:1], ours[1:]], lr=0.01), torch.optim.Adam(ref, lr=0.01, foreach=False)
+    for _ in range(5):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    assert all(torch.allclose(p, q, atol=1e-7, rtol=0) for p, q in zip(ours, ref))
