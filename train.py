@@ -136,9 +136,9 @@ def train(cfg: Config) -> dict:
     if cfg.role == "rollout":
         return rollout_worker(cfg, task)
     policy = make_policy(cfg, task)
-    opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
+    opt = make_optimizer(cfg, policy)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
-    broadcast_params(opt.params())
+    broadcast_params(list(trainable(policy).values()))
     log = Logger(cfg.out + ".csv", COLUMNS, resume=bool(cfg.resume), enabled=rank == 0)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
@@ -268,6 +268,15 @@ def make_policy(cfg: Config, task):
     return HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
                     dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                     gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
+
+
+def make_optimizer(cfg: Config, policy):
+    """LLMs: torch's fused Adam, one pass over the weights (5x faster than utils.Adam's foreach ops on
+    a 0.5B model, no temporary copy). Control: utils.Adam, as torch.optim imports torch._dynamo (1.3 s)."""
+    groups = list(policy.param_groups().values())
+    if cfg.is_llm:
+        return torch.optim.Adam([{"params": g} for g in groups], lr=cfg.lr, fused=True)
+    return Adam(groups, lr=cfg.lr)
 
 
 def rollout_worker(cfg: Config, task) -> dict:

@@ -76,7 +76,7 @@ def run_nanorl(model, steps, micro_batch, gpu, bf16):
     torch.manual_seed(0)
     policy = train.make_policy(cfg, task)
     policy.eos = [policy.model.config.vocab_size]      # never sampled: every completion is `new` tokens
-    opt = train.Adam(list(policy.param_groups().values()), lr=cfg.lr)
+    opt = train.make_optimizer(cfg, policy)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     times = []
     for step in range(1, steps + 1):
