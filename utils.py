@@ -90,8 +90,7 @@ class Adam:
 
     @torch.no_grad()
     def step(self):
-        """p -= lr * m_hat / (sqrt(v_hat) + eps), as multi-tensor ops: a Python loop over the ~400
-        tensors of an LLM was 5x slower than torch's fused AdamW (measured on a 0.5B model)."""
+        """p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat, v_hat the bias-corrected moments."""
         (b1, b2), self.t = self.betas, self.t + 1
         live = [(p, m, v) for p, m, v in zip(self.params(), self.m, self.v) if p.grad is not None]
         if not live:
