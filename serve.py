@@ -187,7 +187,9 @@ class TrainerServer:
 
     def start(self) -> "TrainerServer":
         self._httpd = ThreadingHTTPServer((self.host, self.port), _Handler)
-        self._httpd.daemon_threads, self._httpd.trainer, self.port = True, self, self._httpd.server_address[1]
+        # handler threads are joined by stop(): a daemon thread still parsing a batch into torch tensors
+        # when the interpreter exits aborted the trainer (SIGABRT, "terminate called", seen under torchrun)
+        self._httpd.daemon_threads, self._httpd.trainer, self.port = False, self, self._httpd.server_address[1]
         self._httpd.handle_error = lambda request, address: None   # a client hanging up is not the trainer's problem
         threading.Thread(target=self._httpd.serve_forever, args=(0.1,), daemon=True, name="trainer-server").start()
         return self

@@ -92,18 +92,12 @@ class Adam:
     def step(self):
         """p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat, v_hat the bias-corrected moments."""
         (b1, b2), self.t = self.betas, self.t + 1
-        live = [(p, m, v) for p, m, v in zip(self.params(), self.m, self.v) if p.grad is not None]
-        if not live:
-            return
-        ps, ms, vs = map(list, zip(*live))
-        gs = [p.grad for p in ps]
-        torch._foreach_lerp_(ms, gs, 1 - b1)                                 # m = b1 m + (1-b1) g
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)                    # v = b2 v + (1-b2) g^2
-        denom = torch._foreach_sqrt(vs)
-        torch._foreach_div_(denom, math.sqrt(1 - b2 ** self.t))
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(ps, ms, denom, value=-self.lr / (1 - b1 ** self.t))
+        for p, m, v in zip(self.params(), self.m, self.v):
+            if p.grad is not None:
+                m.lerp_(p.grad, 1 - b1)                                      # m = b1 m + (1-b1) g
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)            # v = b2 v + (1-b2) g^2
+                denom = (v / (1 - b2 ** self.t)).sqrt_().add_(self.eps)
+                p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** self.t))
 
     def state_dict(self):
         return {"t": self.t, "m": self.m, "v": self.v}

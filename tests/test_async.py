@@ -223,10 +223,10 @@ def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
            "--eval-every", 0, "--batch-timeout", 5]
     trainer = subprocess.Popen([*map(str, run), "--steps", "6", "--out", str(tmp_path / "dp")], cwd=ROOT, env=ENV,
                                stdout=open(tmp_path / "t.log", "w"), stderr=subprocess.STDOUT)
-    ws = workers(port, 2)
+    ws = workers(port, 2, tmp=tmp_path)
     try:
         assert wait(trainer, 180) == 0, (tmp_path / "t.log").read_text()[-3000:]
-        assert wait(ws[0], 60) == 0
+        assert wait(ws[0], 60) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
     finally:
         for w in ws:
             w.kill()
