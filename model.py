@@ -5,6 +5,7 @@ Protocol: act(...) samples without grad and returns the sampler's log-probs; log
 -> [N, T] or None. param_groups() -> {"actor": [...], "critic": [...]}, clipped separately.
 """
 import copy
+import inspect
 
 import numpy as np
 import torch
@@ -80,6 +81,9 @@ class HFPolicy(nn.Module):
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: {str(e)[:300]}): "
                              f"pass a hub id or a directory saved with save_pretrained") from None
+        # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache; vLLM pins
+        # transformers < 5.21, so a worker next to it has the old name: read it off this model's own forward
+        self.cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
         if grad_ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = lora_r > 0
@@ -127,9 +131,9 @@ class HFPolicy(nn.Module):
         toks, logps, cache = [], [], None
         for _ in range(self.max_new_tokens):
             with self.autocast():
-                out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache,
-                                 use_cache=True, logits_to_keep=1)
-            cache = out.cache
+                out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                                 logits_to_keep=1, **{self.cache_key: cache})
+            cache = out[self.cache_key]
             logp = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)             # [B, V]
             nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]            # [B]
             toks.append(torch.where(done, self.pad, nxt))
