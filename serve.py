@@ -1,22 +1,22 @@
-"""Async transport on stdlib HTTP: the trainer publishes weights and queues batches; workers lease, pull, submit.
+"""Async transport on stdlib sockets: the trainer publishes weights and queues batches; workers lease, renew, pull, submit.
 
 Invariant: a batch is queued only after every check passed (token, size, format, dtypes, shapes, finite values,
-version, lease), so bad input gets a 4xx and never touches what is queued. The wire carries safetensors and
-JSON, never a pickle.
+this run's limits, run id, version, lease), so bad input gets a 4xx and never touches what is queued. The wire
+carries safetensors and JSON, never a pickle; one event loop serves every connection, so no client holds it.
 """
+import asyncio
+import contextlib
 import hmac
-import io
 import json
 import os
 import secrets
-import tarfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections import deque
+from http import HTTPStatus
 from http.client import HTTPException
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 import safetensors.torch
@@ -27,6 +27,8 @@ from core import Batch
 # Batch field -> (dtype, rank) on the wire; states is [N, T] long or [N, T, O] float32, final_states [N, O] float32
 FIELDS = {"actions": (torch.long, 2), "logp": (torch.float32, 2), "rewards": (torch.float32, 2),
           "mask": (torch.float32, 2), "truncated": (torch.bool, 1), "group_id": (torch.long, 1)}
+MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; open connections; leases a worker may hold
+LINGER_S = 2.0                                      # seconds an answered client may still send (discarded)
 
 
 class Rejected(Exception):
@@ -39,6 +41,11 @@ class Rejected(Exception):
 
 class TrainerGone(ConnectionError):
     """The trainer stopped answering: the worker should exit cleanly."""
+
+
+class _Wait(Exception):  # no room for a lease yet: the request waits (a long poll) instead of getting a 429
+    pass
+
 
 
 # ---- serialization: safetensors bytes, metadata in the header's string -> string map ----
@@ -62,9 +69,9 @@ def describe(tensors: dict) -> dict:
     return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
 
 
-def batch_to_bytes(batch: Batch, lease: str) -> bytes:
+def batch_to_bytes(batch: Batch, lease: str, run: str) -> bytes:
     tensors = {f: getattr(batch, f) for f in ("states", *FIELDS, "final_states") if getattr(batch, f) is not None}
-    meta = {"version": str(batch.version), "lease": lease, "group_size": str(batch.group_size),
+    meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size),
             "final_states": str(int(batch.final_states is not None))}
     return tensors_to_bytes(tensors, meta)
 
@@ -74,8 +81,8 @@ def batch_from_bytes(data: bytes) -> tuple[Batch, dict]:
     t, meta = tensors_from_bytes(data)
     version, G, final = (meta.get(k, "") for k in ("version", "group_size", "final_states"))
     if not (version.isascii() and version.removeprefix("-").isdigit() and G.isascii() and G.isdigit()
-            and meta.get("lease") and final in ("0", "1")):
-        raise ValueError(f"metadata needs int version and group_size, a lease (POST /lease) and final_states "
+            and meta.get("lease") and meta.get("run") and final in ("0", "1")):
+        raise ValueError(f"metadata needs int version and group_size, a lease and a run (POST /lease), final_states "
                          f"'0' or '1', got {str(meta)[:300]}")
     version, G, want = int(version), int(G), {"states", *FIELDS} | ({"final_states"} if final == "1" else set())
     if set(t) != want:
@@ -101,35 +108,64 @@ def batch_from_bytes(data: bytes) -> tuple[Batch, dict]:
                  group_size=G, version=version), meta
 
 
-# ---- the PEFT adapter travels as a flat tar of plain files ----
+def check_batch(b: Batch, limits: dict):
+    """What this run can produce (train.batch_limits); anything else raised inside the loop (on CUDA, a
+    device-side assert). prompt_len 0: a control task; max_len: completion tokens (control: steps)."""
+
+    G, P, prompt, L, A = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len", "n_actions"))
+    (N, T), llm, (lo, hi) = b.mask.shape, prompt > 0, limits["reward"]
+    if b.group_size != G or N != G * P:
+        raise ValueError(f"{N} rows in groups of {b.group_size}: this run takes {P} prompts x {G} samples")
+    if T > prompt + L:
+        raise ValueError(f"T {T} is over this run's {prompt} prompt + {L} completion tokens" if llm else
+                         f"T {T} is over this task's {L} steps")
+    if llm != (b.states.ndim == 2) or (not llm and b.states.shape[2] != limits["obs_dim"]):
+        raise ValueError(f"states {list(b.states.shape)} are not this run's: " + (
+            "[N, T] token ids" if llm else f"[N, T, {limits['obs_dim']}] observations"))
+    m, t = b.mask.bool(), torch.arange(T)
+    start, n = m.int().argmax(1), m.sum(1)                                  # [N] first trained position, count
+    if not (n.min() >= 1 and torch.equal(m, (t >= start[:, None]) & (t < (start + n)[:, None]))):
+        raise ValueError("each row's mask must be one contiguous run of 1s, at least one long")
+    if not (start.min() >= llm and start.max() <= prompt and n.max() <= L):      # control: from step 0
+        raise ValueError(f"each row's mask must start after its prompt ({int(llm)}..{prompt} tokens) and cover <= {L}")
+    if b.actions.min() < 0 or b.actions.max() >= A or (llm and not torch.equal(b.actions, b.states)):
+        raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
+                         f"action ids must be in [0, {A})")
+    where = torch.zeros_like(m).scatter_(1, (start + n - 1)[:, None], True) if llm else m   # an LLM row's last token
+    R = b.rewards.sum(1)                                                    # [N]
+    if (b.rewards[~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
+        raise ValueError("rewards must sit on the " + ("last completion token" if llm else "masked steps")
+                         + f" and total within this task's [{lo:g}, {hi:g}] per row")
+
+
+def max_batch_bytes(limits: dict) -> int:
+    """The largest body a batch of this run can be: [N, T] fields at their wire dtypes, per-row fields, 16 KiB header."""
+    N, T, O = limits["group_size"] * limits["n_prompts"], limits["prompt_len"] + limits["max_len"], limits["obs_dim"]
+    return N * T * ((4 * O if O else 8) + 8 + 4 + 4 + 4) + N * (1 + 8 + 4 * O) + (16 << 10)
+
+
+# ---- the PEFT adapter travels as safetensors too: one uint8 tensor per file ----
 
 def _plain(name: str) -> bool:
     return name not in ("", ".", "..") and os.path.basename(name) == name and "\\" not in name
 
 
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in files.items():
-            if not _plain(name):
-                raise ValueError(f"adapter file {name!r} must be a plain file name (no directories)")
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+def pack_adapter(files: dict[str, bytes]) -> bytes:
+    if bad := [n for n in files if not _plain(n)]:
+        raise ValueError(f"adapter files {bad} must be plain file names (no directories)")
+    return tensors_to_bytes({n: torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else torch.zeros(0, dtype=torch.uint8)
+                            for n, d in files.items()})
 
 
 def unpack_adapter(data: bytes, dest_dir: str) -> str:
-    """Untar into dest_dir, refusing anything but plain regular files: no absolute paths, '..', dirs or links."""
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            members = tar.getmembers()
-            if bad := [m.name for m in members if not (m.isfile() and _plain(m.name))]:
-                raise ValueError(f"refusing adapter tar members {bad}: only plain file names")
-            os.makedirs(dest_dir, exist_ok=True)
-            tar.extractall(dest_dir, members=members, filter="data")   # tarfile's own checks on top of ours
-    except tarfile.TarError as e:
-        raise ValueError(f"adapter is not a valid tar: {e}") from None
+    """Write the files into dest_dir, refusing any name but a plain one: no absolute paths, '..' or dirs."""
+    files = tensors_from_bytes(data)[0]
+    if bad := [n for n, t in files.items() if not (_plain(n) and t.dtype == torch.uint8 and t.ndim == 1)]:
+        raise ValueError(f"refusing adapter files {bad[:5]}: only plain file names, as 1-d uint8")
+    os.makedirs(dest_dir, exist_ok=True)
+    for n, t in files.items():
+        with open(os.path.join(dest_dir, n), "wb") as f:
+            f.write(t.numpy().tobytes())
     return dest_dir
 
 
@@ -160,57 +196,81 @@ class TrainerServer:
     Admission control: a worker leases a slot (POST /lease) before generating. The trainer takes bps
     batches per version, so a batch started now, behind every outstanding lease and queued batch, is used
     within k versions iff  leases + queued < k * bps + (bps - batches already taken at this version);
-    with none taken that is the queue capacity (k + 1) * bps. Otherwise 429 with a retry_after hint (the
-    last step's duration). A lease is used once and expires after lease_timeout s (a dead worker's slot
-    comes back), so only batches that bypass leases (put()) can still be dropped as stale.
+    with none taken that is the queue capacity (k + 1) * bps. Without room the request waits (?wait=S s)
+    or gets a 429. Leases prove life: a lease not renewed (POST /renew) for lease_timeout s, older than
+    lease_life s, or whose batch could only arrive stale is gone, and no step waits for it.
+
+    Run identity: a random id per start, in /info, leases and weights; a batch must bring it back: a
+    --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run).
+
+    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers + body within
+    `timeout` s (else 408), checked on the headers before a byte of the body is read, at most this run's
+    largest batch; MAX_CONNS at most (the oldest closed).
     """
 
     def __init__(self, token: str, fingerprint: dict, max_staleness: int, batches_per_step: int = 1,
-                 host: str = "0.0.0.0", port: int = 0, max_body: int = 1 << 30, lease_timeout: float = 600.0):
+                 host: str = "0.0.0.0", port: int = 0, *, limits: dict, lease_timeout: float = 5.0,
+                 lease_life: float = 600.0, timeout: float = 30.0):
         if not token:
             raise ValueError("the trainer server needs a shared token: set NANORL_TOKEN to the same random string "
                              "(python -c 'import secrets; print(secrets.token_hex(16))') on every machine")
-        self.token, self.fingerprint = token.encode(), json.loads(json.dumps(fingerprint))
-        self.k, self.bps, self.max_body, self.lease_timeout = max_staleness, batches_per_step, max_body, lease_timeout
-        self.capacity, self.host, self.port, self._httpd = (max_staleness + 1) * batches_per_step, host, port, None
+        self.token, self.fingerprint, self.run = token.encode(), json.loads(json.dumps(fingerprint)), secrets.token_hex(8)
+        self.k, self.bps, self.limits, self.max_body = max_staleness, batches_per_step, limits, max_batch_bytes(limits)
+        self.lease_timeout, self.lease_life, self.timeout = lease_timeout, lease_life, timeout
+        self.capacity, self.host, self.port, self._thread = (max_staleness + 1) * batches_per_step, host, port, None
         self.version, self.names, self._weights, self._adapter = 0, {}, None, None
         self._step_s, self._published = 1.0, 0.0    # seconds per version: the 429's retry_after hint
-        self._queue, self._leases, self._taken = deque(), {}, {}
-        self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted leases_refused "
-                                      "leases_expired".split(), 0)
+        self._queue, self._leases, self._taken = deque(), {}, {}   # lease id -> [version, worker, alive until, until]
+        self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted refused wrong_run "
+                                      "leases_refused leases_expired".split(), 0)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
-        self.routes = {"/version": ("GET", lambda q, b: {"version": self.version}), "/info": ("GET", lambda q, b: {
-                           "version": self.version, "fingerprint": self.fingerprint, "names": self.names}),
+        self._conns = {}                            # the event loop's: StreamWriter -> its handler task
+        self.routes = {"/version": ("GET", lambda q, b: {"version": self.version, "run": self.run}),
+                       "/info": ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
+                                                      "fingerprint": self.fingerprint, "names": self.names}),
                        "/weights": ("GET", lambda q, b: self._blob(q, "_weights")),
                        "/adapter": ("GET", lambda q, b: self._blob(q, "_adapter")),
-                       "/lease": ("POST", self._lease), "/batch": ("POST", self._submit)}
+                       "/lease": ("POST", self._lease), "/renew": ("POST", self._renew), "/batch": ("POST", self._submit)}
 
     def start(self) -> "TrainerServer":
-        self._httpd = ThreadingHTTPServer((self.host, self.port), _Handler)
-        # handler threads are joined by stop(): a daemon thread still parsing a batch into torch tensors
-        # when the interpreter exits aborted the trainer (SIGABRT, "terminate called", seen under torchrun)
-        self._httpd.daemon_threads, self._httpd.trainer, self.port = False, self, self._httpd.server_address[1]
-        self._httpd.handle_error = lambda request, address: None   # a client hanging up is not the trainer's problem
-        threading.Thread(target=self._httpd.serve_forever, args=(0.1,), daemon=True, name="trainer-server").start()
+        self._loop = asyncio.new_event_loop()
+        # joined by stop(): a thread still parsing a batch into torch tensors when the interpreter exits
+        # aborted the trainer (SIGABRT, "terminate called", seen under torchrun)
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trainer-server")
+        self._thread.start()
+        listen = asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEAD, backlog=128)
+        self._room, self._server = asyncio.Event(), asyncio.run_coroutine_threadsafe(listen, self._loop).result()
+        self.port = self._server.sockets[0].getsockname()[1]
         return self
 
     def stop(self):
-        if self._httpd:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        """Close the port and every connection: at once, whatever the clients are doing."""
+        if self._thread:
+            async def close():
+                self._server.close()
+                await asyncio.sleep(0.05)           # a connection accepted just before starts its handler a tick later:
+                for task in list(self._conns.values()):  # unstarted, it would leave the client hanging on an open socket
+                    task.cancel()
+                await asyncio.gather(*self._conns.values(), return_exceptions=True)
+            asyncio.run_coroutine_threadsafe(close(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            self._thread = None
 
     def publish(self, version: int, tensors: dict, adapter_files: dict[str, bytes] | None = None):
         """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
         the live parameters), for every worker that asks."""
-        blob, tar = tensors_to_bytes(tensors), _tar(adapter_files) if adapter_files else None
+        blob, tar = tensors_to_bytes(tensors), pack_adapter(adapter_files) if adapter_files else None
         with self._cv:
             if not (isinstance(version, int) and version > max(self.version, 0)):
                 raise ValueError(f"publish version {version!r}: versions start at 1 and only increase ({self.version})")
             now = time.monotonic()
             self._step_s, self._published, self._taken = now - self._published if self.version else 1.0, now, {}
             self.version, self.names, self._weights, self._adapter = version, describe(tensors), blob, tar
+            self._expire(now)                       # leases whose batch can only arrive stale now
             self._cv.notify_all()
+        self._wake()                                # room for the leases waiting
 
     def count(self, name: str, n: int = 1):
         with self._cv:
@@ -234,7 +294,7 @@ class TrainerServer:
         with self._cv:
             while len(out) < n:
                 while not self._ready(current_version) and time.monotonic() < deadline:
-                    self._cv.wait(min(0.5, deadline - time.monotonic()))  # wakes on submits; leases expire by time
+                    self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire by time
                 if not self._ready(current_version):
                     self._queue.extendleft(reversed(out))
                     self._taken[current_version] = self._taken.get(current_version, 0) - len(out)
@@ -251,10 +311,10 @@ class TrainerServer:
         return out
 
     def _ready(self, current_version: int) -> bool:
-        """A batch can be taken now, unless a lease granted k versions ago is still out: its batch is
-        usable at this step or never, so wait for it (or for the lease to expire: a dead worker)."""
+        """A batch can be taken now, unless a live lease granted k versions ago is out: its batch is usable
+        at this step or never, so wait for it (or for it to stop proving life: a dead worker)."""
         self._expire(time.monotonic())
-        due = [v for v, _ in self._leases.values() if current_version - v >= self.k]
+        due = [v for v, *_ in self._leases.values() if current_version - v >= self.k]
         return bool(self._queue) and not (due and min(q.version for q in self._queue) > min(due))
 
     # ---- endpoints: (query, body) -> dict (JSON) or (bytes, headers); Rejected or ValueError for a 4xx ----
@@ -266,108 +326,170 @@ class TrainerServer:
             raise Rejected(403, "wrong token: NANORL_TOKEN differs between trainer and worker")
 
     def _blob(self, query, attr: str):
-        """Weights or adapter bytes of the current version: a worker never needs an older one."""
+        """Weights or adapter bytes of the current version of this run: a worker never needs another."""
         with self._cv:
-            raw, blob = query.get("version", [""])[0], getattr(self, attr)
+            raw, run, blob = query.get("version", [""])[0], query.get("run", [""])[0], getattr(self, attr)
             if not (raw.isascii() and raw.isdigit()):
                 raise Rejected(400, f"version must be a non-negative int, got {raw!r}")
+            if run != self.run:
+                raise Rejected(409, f"run {run!r} is over: this trainer is run {self.run} (restarted?): lease again")
             if int(raw) != self.version or blob is None:
                 raise Rejected(404, f"no {attr[1:]} at version {raw} (current {self.version}): ask /version again")
-            return blob, {"X-Version": str(self.version)}
+            return blob, {"X-Version": str(self.version), "X-Run": self.run}
 
     def _expire(self, now: float):
-        for lid in [lid for lid, (_, until) in self._leases.items() if until < now]:
-            del self._leases[lid]
-            self.counters["leases_expired"] += 1
+        for lid, (v, _, alive, until) in list(self._leases.items()):
+            if alive < now or until < now or self.version - v > self.k:    # silent, too old, or useless
+                del self._leases[lid]
+                self.counters["leases_expired"] += 1
+                self._wake()
+
+    def _wake(self):
+        if self._thread:                            # a fresh Event each time: the waiting leases ask again
+            self._loop.call_soon_threadsafe(lambda: (self._room.set(), setattr(self, "_room", asyncio.Event())))
 
     def _lease(self, query, body):
+        """?wait=S: without room, wait up to S s (timeout / 2 at most) for a slot, instead of a 429 that the
+        worker slept a step on: the queue then ran dry every 4th step (5.5 steps/s; 7.2 polling every 10 ms)."""
+        worker, wait = query.get("worker", [""])[0], query.get("wait", ["0"])[0]
+        if not (worker.isascii() and worker.isalnum() and len(worker) <= 64):
+            raise Rejected(400, f"POST /lease?worker=ID needs an ID of 1-64 letters and digits, got {worker[:80]!r}")
         with self._cv:
             now = time.monotonic()
             self._expire(now)
             room = self.k * self.bps + self.bps - self._taken.get(self.version, 0)
-            if self.version < 1 or len(self._leases) + len(self._queue) >= room:
+            held = sum(w == worker for _, w, *_ in self._leases.values())
+            if self.version < 1 or len(self._leases) + len(self._queue) >= room or held >= PER_WORKER:
+                if wait.isdigit() and int(wait) > 0 and held < PER_WORKER:
+                    raise _Wait(min(int(wait), self.timeout / 2))
                 self.counters["leases_refused"] += 1
-                raise Rejected(429, "no room: a batch started now would arrive too stale" if self.version else
-                               "no weights published yet", retry_after=round(min(max(self._step_s, 0.05), 60.0), 3))
+                why = ("no weights published yet" if self.version < 1 else f"worker {worker} holds {held} leases"
+                       if held >= PER_WORKER else "no room: a batch started now would arrive too stale")
+                raise Rejected(429, why, retry_after=0.0 if wait == "over" else round(min(max(self._step_s, 0.05), 60), 3))
             lid = secrets.token_hex(16)
-            self._leases[lid] = (self.version, now + self.lease_timeout)
-            return {"version": self.version, "lease": lid}
+            self._leases[lid] = [self.version, worker, now + self.lease_timeout, now + self.lease_life]
+            return {"run": self.run, "version": self.version, "lease": lid, "renew_s": self.lease_timeout / 5}
+
+    def _renew(self, query, body):
+        with self._cv:
+            now = time.monotonic()
+            self._expire(now)
+            lease = self._leases.get(query.get("lease", [""])[0])
+            if lease is None:
+                raise Rejected(409, "lease unknown, expired or used: its batch would be refused")
+            lease[2] = now + self.lease_timeout
+            return {"run": self.run}
 
     def _submit(self, query, body):
-        batch, meta = batch_from_bytes(body)        # the heavy checks, outside the lock
-        with self._cv:
-            self._expire(time.monotonic())
-            lease = self._leases.get(meta["lease"])
-            if not 1 <= batch.version <= self.version:
-                raise Rejected(400, f"batch version {batch.version} is outside [1, {self.version}] (current)")
-            if lease is None:
-                raise Rejected(409, "lease unknown, expired or already used: ask POST /lease again")
-            if batch.version < lease[0]:
-                raise Rejected(400, f"batch sampled at version {batch.version}, before its lease's {lease[0]}")
-            del self._leases[meta["lease"]]
-            self.put(batch)
-            return {"queued": len(self._queue)}
-
-
-class _Handler(BaseHTTPRequestHandler):
-    timeout = 60                                    # seconds a stalled client may hold its thread
-    default_request_version = "HTTP/1.0"            # a garbled request line still gets a status line (0.9: none)
-
-    def log_message(self, *args):
-        pass                                        # a stderr line per request would drown the training log
-
-    def __getattr__(self, name):                    # every verb lands here: 405 for PUT, FOO, ..., not a 501
-        if name.startswith("do_"):
-            return self._answer
-        raise AttributeError(name)
-
-    def _answer(self):
-        ts, headers, ctype, self._body_read = self.server.trainer, {}, "application/json", False
+        """400 (counted: refused) for a batch this run cannot use, 409 for another run's or a lease not held."""
         try:
-            ts.authorize(self.headers.get("Authorization"))
-            url = urlsplit(self.path)
-            if url.path not in ts.routes:
-                raise Rejected(404, f"no endpoint {url.path}: use one of {sorted(ts.routes)}")
-            method, endpoint = ts.routes[url.path]
-            if self.command != method:
-                raise Rejected(405, f"{url.path} takes {method}, not {self.command}")
-            out = endpoint(parse_qs(url.query), self._body(ts.max_body) if method == "POST" else b"")
-            status, (body, headers) = 200, out if isinstance(out, tuple) else (json.dumps(out).encode(), {})
+            batch, meta = batch_from_bytes(body)    # the heavy checks, outside the lock
+            check_batch(batch, self.limits)
+            with self._cv:
+                if meta["run"] != self.run:
+                    self.counters["wrong_run"] += 1
+                    raise Rejected(409, f"batch of run {meta['run'][:40]!r}, this is run {self.run} (restarted): lease again")
+                if not 1 <= batch.version <= self.version:
+                    raise ValueError(f"batch version {batch.version} is outside [1, {self.version}] (current)")
+                self._expire(time.monotonic())
+                lease = self._leases.get(meta["lease"])
+                if lease is None:
+                    raise Rejected(409, "lease unknown, expired or already used: ask POST /lease again")
+                if batch.version < lease[0]:
+                    raise ValueError(f"batch sampled at version {batch.version}, before its lease's {lease[0]}")
+                del self._leases[meta["lease"]]
+                self.put(batch)
+                return {"queued": len(self._queue)}
+        except ValueError:
+            self.count("refused")
+            raise
+
+    # ---- the event loop: a connection sends one request, gets one answer, and is closed ----
+
+    async def _handle(self, reader, writer):
+        self._conns[writer] = asyncio.current_task()
+        if len(self._conns) > MAX_CONNS:            # the oldest goes: an honest request takes milliseconds
+            self._conns[next(iter(self._conns))].cancel()
+        extra, ctype = {}, "application/json"
+        try:
+            out = await asyncio.wait_for(self._request(reader), self.timeout)
+            status, (body, extra) = 200, out if isinstance(out, tuple) else (json.dumps(out).encode(), {})
             ctype = "application/octet-stream" if isinstance(out, tuple) else ctype
         except Rejected as e:
             status, body = e.status, json.dumps(e.body).encode()
         except ValueError as e:                     # malformed input found below the endpoint
             status, body = 400, json.dumps({"error": str(e)}).encode()
+        except asyncio.TimeoutError:                # a trickler
+            status, body = 408, json.dumps({"error": f"request not received in {self.timeout:g} s"}).encode()
+        except (OSError, asyncio.CancelledError):   # reset by the peer, closed for a newer one, or stop()
+            return self._close(writer)
         except Exception as e:                      # a bug of ours: still an answer, never a dropped connection
             status, body = 500, json.dumps({"error": f"internal error: {e!r}"}).encode()
+        head = "".join(f"{k}: {v}\r\n" for k, v in {"Content-Type": ctype, "Content-Length": len(body),
+                                                      "Connection": "close", **extra}.items())
         try:
-            self.send_response(status)
-            for k, v in {"Content-Type": ctype, "Content-Length": str(len(body)), **headers}.items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(body)
-            # drain an unread body (up to 64 MiB, 2 s a read) so closing sends a FIN, not a reset that destroys
-            # the answer: a 4 MB body refused with 403 reached urllib as 'connection reset' 20 times out of 20
-            n = self.headers.get("Content-Length", "")
-            n = 0 if self._body_read or not (n.isascii() and n.isdigit()) else min(int(n), 64 << 20)
-            self.connection.settimeout(2.0)
-            while n > 0 and (chunk := self.rfile.read1(min(n, 1 << 16))):
-                n -= len(chunk)
-        except OSError:
+            writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}\r\n".encode())
+            writer.write(body)                      # not concatenated: weights can be hundreds of MB
+            await asyncio.wait_for(writer.drain(), self.timeout)
+            # FIN after the answer, then discard what the client still sends for LINGER_S: closing with unread
+            # input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20
+            writer.write_eof()
+            await asyncio.wait_for(self._discard(reader), LINGER_S)
+        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+        self._close(writer)
+
+    async def _request(self, reader):
+        """Headers, then the body, then the endpoint. The token, path, method and Content-Length are checked
+        on the headers, before a byte of the body is read."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            endpoint, query, n = self._head(head[:-4].decode("latin-1"))
+            body = await reader.readexactly(n)
+        except asyncio.LimitOverrunError:
+            raise Rejected(431, f"request line + headers over {MAX_HEAD} bytes") from None
+        except asyncio.IncompleteReadError as e:
+            raise Rejected(400, f"request cut after {len(e.partial)} bytes (Content-Length, if any, says more)") from None
+        until = None
+        while True:
+            room = self._room                       # set by publish() or an expiry: a slot may have opened
+            try:
+                return endpoint(query, body)
+            except _Wait as e:                      # a lease waits for room: answered the moment there is some
+                until = until or time.monotonic() + e.args[0]
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(room.wait(), min(0.5, until - time.monotonic()))
+                query["wait"] = query["wait"] if time.monotonic() < until else ["over"]
+
+    @staticmethod
+    async def _discard(reader):
+        while await reader.read(1 << 16):
             pass
 
-    def _body(self, max_body: int) -> bytes:
-        n = self.headers.get("Content-Length")
-        status = 411 if n is None else 400 if not (n.isascii() and n.isdigit()) else 413 if int(n) > max_body else 0
-        if status:                                  # refused before a byte of the body is read
-            raise Rejected(status, f"POST needs a Content-Length of at most {max_body} bytes, got {n!r}")
-        try:
-            body, self._body_read = self.rfile.read(int(n)), True
-        except TimeoutError:
-            raise Rejected(408, "body not received in time") from None
-        if len(body) != int(n):
-            raise Rejected(400, f"body has {len(body)} bytes, Content-Length says {n}")
-        return body
+    def _head(self, head: str):
+        """Request line + headers -> (endpoint, query, body length); Rejected for anything else."""
+        lines = head.split("\r\n")
+        request, fields = lines[0].split(" "), [line.partition(":") for line in lines[1:]]
+        if len(request) != 3 or not request[2].startswith("HTTP/1.") or not all(sep for _, sep, _ in fields):
+            raise Rejected(400, f"not an HTTP/1.x request: {lines[0][:100]!r}")
+        (method, target, _), headers = request, {k.strip().lower(): v.strip() for k, _, v in fields}
+        self.authorize(headers.get("authorization"))
+        url = urlsplit(target)
+        if url.path not in self.routes:
+            raise Rejected(404, f"no endpoint {url.path[:100]}: use one of {sorted(self.routes)}")
+        want, endpoint = self.routes[url.path]
+        if method != want:
+            raise Rejected(405, f"{url.path} takes {want}, not {method[:20]}")
+        n = headers.get("content-length") if want == "POST" else "0"
+        if n is None or not (n.isascii() and n.isdigit()) or int(n) > self.max_body:
+            raise Rejected(411 if n is None else 400 if not (n.isascii() and n.isdigit()) else 413,
+                           f"POST needs a Content-Length of at most {self.max_body} bytes (this run's largest "
+                           f"batch), got {n!r}")
+        return endpoint, parse_qs(url.query), int(n)
+
+    def _close(self, writer):
+        self._conns.pop(writer, None)
+        writer.transport.abort()
 
 
 # ---- the rollout worker's side ----
@@ -379,24 +501,25 @@ class TrainerClient:
 
     def __init__(self, url: str, token: str, timeout: float = 60.0, patience: float = 15.0, backoff: float = 0.5):
         self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
-        self.auth, self.retry_after = {"Authorization": f"Bearer {token}"}, 0.0
+        self.auth, self.retry_after, self.renew_s = {"Authorization": f"Bearer {token}"}, 0.0, 1.0
+        self.worker = secrets.token_hex(8)          # this process, for the trainer's cap on leases per worker
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no http_proxy sees the token
 
-    def _call(self, method: str, path: str, body: bytes | None = None) -> bytes:
-        start, attempt = time.monotonic(), 0
-        while attempt == 0 or time.monotonic() - start < self.patience:
+    def _call(self, method: str, path: str, body: bytes | None = None, patience: float | None = None) -> bytes:
+        start, attempt, patience = time.monotonic(), 0, self.patience if patience is None else patience
+        while attempt == 0 or time.monotonic() - start < patience:
             time.sleep(min(self.backoff * (2 ** attempt - 1), 8.0))     # 0, 1, 3, 7, .. x backoff, capped
             attempt += 1
             try:
                 with self._open(urllib.request.Request(self.url + path, body, self.auth, method=method),
                                 timeout=self.timeout) as r:
                     return r.read()
-            except urllib.error.HTTPError as e:     # ours are JSON; http.server's own (e.g. 414) are HTML
+            except urllib.error.HTTPError as e:     # ours are JSON
                 extra = json.loads(e.read()) if e.headers.get_content_type() == "application/json" else {}
                 raise Rejected(e.code, str(extra.pop("error", e.reason)), **extra) from None
             except (urllib.error.URLError, OSError, HTTPException) as e:
                 err = e
-        raise TrainerGone(f"no answer from {self.url} for {self.patience:g} s ({err}): the trainer is gone")
+        raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({err}): the trainer is gone")
 
     def version(self) -> int:
         return json.loads(self._call("GET", "/version"))["version"]
@@ -415,22 +538,44 @@ class TrainerClient:
             raise ValueError("trainer and worker differ, refusing to run: " + "; ".join(diff))
         return info
 
-    def weights(self, version: int) -> dict:
-        return tensors_from_bytes(self._call("GET", f"/weights?version={version}"))[0]
+    def weights(self, run: str, version: int) -> dict:
+        return tensors_from_bytes(self._call("GET", f"/weights?version={version}&run={run}"))[0]
 
-    def adapter(self, version: int, dest_dir: str) -> str:
-        return unpack_adapter(self._call("GET", f"/adapter?version={version}"), dest_dir)
+    def adapter(self, run: str, version: int, dest_dir: str) -> str:
+        return unpack_adapter(self._call("GET", f"/adapter?version={version}&run={run}"), dest_dir)
 
-    def lease(self) -> tuple[int, str] | None:
-        """(version, lease id), or None when the trainer has no room: wait self.retry_after s and ask again."""
+    def lease(self, wait: int = 0) -> tuple[str, int, str] | None:
+        """(run, version, lease id), as soon as the trainer has room within `wait` s; else None: wait
+        self.retry_after s and ask again."""
         try:
-            out = json.loads(self._call("POST", "/lease", b""))
+            out = json.loads(self._call("POST", f"/lease?worker={self.worker}&wait={wait}", b""))
         except Rejected as e:
             if e.status != 429:
                 raise
             self.retry_after = e.body.get("retry_after", 1.0)
             return None
-        return out["version"], out["lease"]
+        self.renew_s = out["renew_s"]
+        return out["run"], out["version"], out["lease"]
 
-    def submit(self, batch: Batch, lease_id: str) -> dict:
-        return json.loads(self._call("POST", "/batch", batch_to_bytes(batch, lease_id)))
+    @contextlib.contextmanager
+    def keep_alive(self, lease_id: str):
+        """Renew the lease every renew_s s from a thread while the body runs (pull weights, generate, submit):
+        a worker that dies or is killed stops renewing, and the trainer frees its slot within seconds."""
+        done = threading.Event()
+
+        def beat():
+            while not done.wait(self.renew_s):
+                try:
+                    self._call("POST", f"/renew?lease={lease_id}", b"", patience=0)
+                except Rejected:
+                    return                          # expired or useless now: the submit will say so
+                except TrainerGone:
+                    pass                            # the main thread finds out on its next call
+        threading.Thread(target=beat, daemon=True, name="lease-heartbeat").start()
+        try:
+            yield
+        finally:
+            done.set()
+
+    def submit(self, batch: Batch, lease_id: str, run: str) -> dict:
+        return json.loads(self._call("POST", "/batch", batch_to_bytes(batch, lease_id, run)))

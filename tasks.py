@@ -8,12 +8,14 @@ import json
 import operator
 import os
 import re
+import sys
 from fractions import Fraction
 
 import numpy as np
 import torch
 
 from core import Batch, Trajectory
+from utils import all_sum
 
 EVAL_SEED0 = 2**31  # held-out CartPole seeds are EVAL_SEED0 + i; training seeds are < 2**31
 
@@ -23,6 +25,7 @@ class CartPole:
     forward per time step. Dynamics, thresholds, the 500-step truncation and the reset
     (np.random.default_rng(seed).uniform(-0.05, 0.05, 4)) match gymnasium's, step for step."""
     obs_dim, n_actions, max_len, metric, is_llm = 4, 2, 500, "eval_return", False
+    reward_range = (0.0, 500.0)                 # an episode's return: +1 per step, 500 steps at most
     gravity, masscart, masspole, length, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
     x_limit, theta_limit = 2.4, 12 * 2 * np.pi / 360
 
@@ -72,10 +75,11 @@ class CartPole:
                            final_state=final[i]) for i, L in enumerate(length.tolist())]
         return Batch.from_groups([rows[i:i + group_size] for i in range(0, N, group_size)])
 
-    def evaluate(self, policy):
-        """Greedy return on the held-out seeds, all episodes at once."""
-        seeds = [EVAL_SEED0 + i for i in range(self.eval_episodes)]
-        return {"eval_return": self.rollout(policy, seeds, 1, greedy=True).row_rewards().mean().item()}
+    def evaluate(self, policy, rank=0, world=1):
+        """Greedy return on the held-out seeds, all episodes at once; ranks split them and sum."""
+        seeds = [EVAL_SEED0 + i for i in range(self.eval_episodes)][rank::world]
+        total = self.rollout(policy, seeds, 1, greedy=True).row_rewards().sum().item() if seeds else 0.0
+        return {"eval_return": all_sum(total) / self.eval_episodes}
 
 
 # ---- LLM tasks: pure reward functions (prompt, completion, answer) -> float, never raising ----
@@ -270,23 +274,48 @@ class LLMTask:
         self.eval_episodes, self.data, self.overlong_cache, self.pass_k = eval_episodes, data, overlong_cache, pass_k
         self.max_new_tokens = self.max_len = max_new_tokens  # max_len: Dr. GRPO's constant denominator
         self.eval_set = self.eval_problems()
+        if len(self.eval_set) < max(eval_episodes, 10):
+            print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), so "
+                  f"eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
+                  + (": use a larger --data file (a tenth of it is held out)" if data else ""), file=sys.stderr)
 
     def problem(self, rng: np.random.Generator) -> dict:
         raise NotImplementedError
 
-    def _draw(self, n, rng, want_held_out):
+    def sample(self, n, rng: np.random.Generator) -> list[dict]:
         out = []
         while len(out) < n:
             p = self.problem(rng)
-            if held_out(p["prompt"]) == want_held_out:
+            if not held_out(p["prompt"]):
                 out.append(p)
         return out
 
-    def sample(self, n, rng: np.random.Generator) -> list[dict]:
-        return self._draw(n, rng, False)
-
     def eval_problems(self) -> list[dict]:
-        return self._draw(self.eval_episodes, np.random.default_rng(EVAL_SEED0), True)
+        """The first eval_episodes distinct held-out draws of one fixed seed (MaxDigit's 100 draws held 69
+        distinct prompts); bounded tries, as a small problem space may hold fewer."""
+
+        rng, out = np.random.default_rng(EVAL_SEED0), {}
+        for _ in range(1000 * self.eval_episodes):
+            if len(out) == self.eval_episodes:
+                break
+            p = self.problem(rng)
+            if held_out(p["prompt"]):
+                out.setdefault(p["prompt"], p)
+        return list(out.values())
+
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """A completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]."""
+        return -float(self.overlong_cache > 0), float(sum(w for w, _ in self.rewards))
+
+    def max_prompt_len(self, encode) -> int:
+        """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this + max_new_tokens).
+        Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws, + 10% + 8 tokens for a
+        longer draw missed (Countdown, SmolLM2: 111 tokens at most, in these draws and 30,000 others)."""
+        data = getattr(self, "train_set", None)
+        problems = self.eval_set + (data if data is not None else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1)))
+        longest = max(len(encode(p["prompt"])) for p in problems)
+        return longest if data is not None else int(longest * 1.1) + 8
 
     def score(self, problem, completion: str, n_tokens: int) -> float:
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
@@ -305,20 +334,21 @@ class LLMTask:
                                    mask=torch.cat([torch.zeros(len(P)), torch.ones(C)])))    # [T]
         return Batch.from_groups([rows[i:i + group_size] for i in range(0, len(rows), group_size)])
 
-    def _correct(self, policy, k, greedy) -> np.ndarray:
-        """Correctness (rewards[0] == 1) of k samples per held-out problem -> [n_eval, k] bool."""
-        ids = [policy.encode(p["prompt"]) for p in self.eval_set]
+    def _correct(self, policy, problems, k, greedy) -> np.ndarray:
+        """Correctness (rewards[0] == 1) of k samples per problem -> [n, k] bool."""
+        ids = [policy.encode(p["prompt"]) for p in problems]
         fn = self.rewards[0][1]
-        hits = [fn(self.eval_set[i // k]["prompt"], policy.decode(c.tolist()), self.eval_set[i // k]["answer"]) == 1.0
+        hits = [fn(problems[i // k]["prompt"], policy.decode(c.tolist()), problems[i // k]["answer"]) == 1.0
                 for i, (c, _, _) in enumerate(policy.act(ids, k, greedy))]
-        return np.array(hits).reshape(len(self.eval_set), k)                     # [n_eval, k]
+        return np.array(hits, dtype=bool).reshape(len(problems), k)             # [n, k]
 
-    def evaluate(self, policy) -> dict:
-        """Greedy accuracy on the held-out problems (the same on every rank: no communication);
-        pass_at_k: fraction with at least one of pass_k samples correct."""
-        out = {"eval_acc": float(self._correct(policy, 1, True).mean())}
+    def evaluate(self, policy, rank=0, world=1) -> dict:
+        """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
+        so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct."""
+        mine, n = self.eval_set[rank::world], len(self.eval_set)
+        out = {"eval_acc": all_sum(float(self._correct(policy, mine, 1, True).sum())) / n}
         if self.pass_k > 1:
-            out["pass_at_k"] = float(self._correct(policy, self.pass_k, False).any(1).mean())
+            out["pass_at_k"] = all_sum(float(self._correct(policy, mine, self.pass_k, False).any(1).sum())) / n
         return out
 
 
@@ -347,8 +377,9 @@ class GSM8K(LLMTask):
 
 class MaxDigit(LLMTask):
     """Prompt '381=', answer '8': the largest of 3 random digits, as the completion's first character.
-    A task a tiny character-level model learns by RL from random init on a CPU (1,000 prompts, ~100
-    held out). Baseline to beat: always answering '9' scores 1 - 0.9**3 = 27.1%."""
+    A task a tiny character-level model learns by RL from random init on a CPU (1,000 prompts, 107
+    held out). Baseline to beat: always answering '9' scores 27% on the first 100 held-out prompts
+    (27.1% = 1 - 0.9**3 over all 1,000)."""
     rewards = [(1.0, maxdigit_reward)]
 
     def problem(self, rng):
@@ -356,4 +387,15 @@ class MaxDigit(LLMTask):
         return {"prompt": "".join(map(str, d)) + "=", "answer": str(max(d))}
 
 
-TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit}
+class Addition(LLMTask):
+    """'What is 47 + 85?': two random 2-digit numbers (8,100 prompts); correct iff the completion's last
+    number is their sum (GSM8K's verifier, with no tags needed). A real small model's task:
+    SmolLM2-135M-Instruct explains at length and runs out of tokens, so it starts low but above zero."""
+    rewards = [(1.0, gsm8k_reward)]
+
+    def problem(self, rng):
+        a, b = rng.integers(10, 100, size=2).tolist()
+        return {"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+
+
+TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit, "addition": Addition}

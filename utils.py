@@ -4,6 +4,7 @@ Invariant: every reduction over padded [N, T] tensors goes through masked_sum / 
 and every statistic that must match one process (whiten's mean and std) is summed over all ranks.
 """
 import csv
+import datetime
 import math
 import os
 import random
@@ -111,15 +112,22 @@ class Adam:
 
 # ---- torch.distributed: torchrun sets RANK / WORLD_SIZE; gloo on CPU, nccl on GPU ----
 
-def init_distributed():
-    """-> (rank, world_size). One process without torchrun's environment."""
+def init_distributed(timeout: float = 1800.0, backend: str = ""):
+    """-> (rank, world_size). One process without torchrun's environment.
+
+    One process group, two backends: gloo for CPU tensors (the scalar statistics and objects every rank
+    sums or scatters), NCCL for CUDA tensors (gradients, weights). An NCCL-only group cannot reduce a CPU
+    tensor, so every such collective failed at the first step on GPUs. timeout (s) must outlast the
+    longest wait of one rank on another (rank 0 waiting --batch-timeout for workers' batches), or
+    NCCL's watchdog (10 min by default) kills the waiting ranks."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
+        if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # the NCCL half needs a GPU even to initialize ("ProcessGroupNCCL is only supported with GPUs")
+        backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -156,26 +164,44 @@ def broadcast_params(params):
 # ---- logging: one readable line per step on stdout, one CSV row per step ----
 
 class Logger:
-    def __init__(self, path, columns, resume=False, enabled=True):
-        self.columns, self.enabled, self.t0 = columns, enabled, time.time()
-        self.file = None
-        if enabled and path:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            append = resume and os.path.exists(path)
-            self.file = open(path, "a" if append else "w", newline="")
-            self.csv = csv.DictWriter(self.file, columns)
-            if not append:
-                self.csv.writeheader()
+    """Every metric in a CSV row per step; a short line per step on stdout (rank 0 only)."""
+
+    def __init__(self, enabled=True):
+        self.enabled, self.file, self.t0 = enabled, None, time.time()
+
+    def open_csv(self, path, columns, keep_until=None):
+        """keep_until (resuming): keep the rows of steps <= keep_until, drop the later ones (they are
+        trained again), so the CSV has one row per step however often the run was interrupted."""
+        self.columns = columns
+        if not self.enabled:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        kept = []
+        if keep_until is not None and os.path.exists(path):
+            with open(path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= keep_until]
+        with open(path + ".tmp", "w", newline="") as f:    # rewritten whole, then renamed: never half a CSV
+            w = csv.DictWriter(f, columns, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(kept)
+        os.replace(path + ".tmp", path)
+        self.file = open(path, "a", newline="")
+        self.csv = csv.DictWriter(self.file, columns)
 
     def log(self, row):
         assert set(row) <= set(self.columns), f"not a CSV column: {set(row) - set(self.columns)}"
-        if not self.enabled:
-            return
         if self.file:
             self.csv.writerow({k: row.get(k, "") for k in self.columns})
             self.file.flush()
+
+    def progress(self, row, keys, steps, sec_per_step):
+        """step i/N, the chosen metrics, seconds per step, elapsed time and the ETA (an upper bound
+        when the run may stop early, once solved)."""
         fmt = lambda v: f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
-        print(" ".join(f"{k} {fmt(v)}" for k, v in row.items() if v != ""), flush=True)
+        hms = lambda s: time.strftime("%H:%M:%S" if s >= 3600 else "%M:%S", time.gmtime(s))
+        metrics = "  ".join(f"{k} {fmt(row[k])}" for k in keys if row.get(k, "") != "")
+        self.info(f"step {row['step']:>{len(str(steps))}}/{steps}  {metrics}  {row['step_s']:.2f} s/step  "
+                  f"{hms(time.time() - self.t0)} elapsed, eta {hms(sec_per_step * (steps - row['step']))}")
 
     def info(self, msg):
         if self.enabled:

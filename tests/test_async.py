@@ -1,21 +1,25 @@
 """Disaggregated training with real processes on loopback: a trainer and rollout workers, faults,
 hostile traffic, and the exact-old-log-probs machinery."""
+import contextlib
 import csv
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from core import Batch
-from serve import Snapshots, TrainerClient
+from serve import Rejected, Snapshots, TrainerClient, TrainerServer, batch_to_bytes
 from test_dist import free_port
-from test_serve import bad_batches, status_of
+from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
-from train import Config, old_logprobs, train, trainable, validate
+from train import (Config, batch_limits, fingerprint, make_task, old_logprobs, rollout_worker, score, trainable,
+                   validate)
 
 TOKEN = "async-test-token"
 ENV = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -86,7 +90,20 @@ def tiny_lm(tmp_path_factory):
     return make_tiny_lm(str(tmp_path_factory.mktemp("tiny")))
 
 
-def test_tiny_llm_20_steps_two_workers_no_drops_and_zero_logp_gap(tmp_path, tiny_lm):
+def refused_by_a_live_trainer(port):
+    """Send every batch the live trainer's run cannot produce (its /info limits), with a valid token and run:
+    -> the number sent. Each must get a 400 naming the defect."""
+    client = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0)
+    info = client.info()
+    cases = bad_for_the_run(info["limits"], version=info["version"])
+    for why, bad in cases:       # lease "x" was never granted: a 400 (not a 409) shows the batch was checked first
+        with pytest.raises(Rejected) as e:
+            client._call("POST", "/batch", batch_to_bytes(bad, "x", info["run"]))
+        assert e.value.status == 400 and why in str(e.value), (why, str(e.value))
+    return len(cases)
+
+
+def test_tiny_llm_20_steps_two_workers_no_drops_and_the_real_logp_gap(tmp_path, tiny_lm):
     port = free_port()
     common = ["--task", "maxdigit", "--model", tiny_lm, "--algo", "grpo", "--group-size", 4, "--n-prompts", 4,
               "--max-new-tokens", 2, "--max-staleness", 2]
@@ -95,79 +112,204 @@ def test_tiny_llm_20_steps_two_workers_no_drops_and_zero_logp_gap(tmp_path, tiny
                     log=tmp_path / "trainer.log")
     ws = workers(port, 2, *common)
     try:
+        wait_for_port(port)
+        sent = refused_by_a_live_trainer(port)           # token ids past the vocabulary, a mask on position 0, ..
         assert wait(trainer, 300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     finally:
-        for w in ws:
+        for w in ws + [trainer]:
             w.kill()
     r = rows(tmp_path / "llm.csv")
     steps = [x for x in r if x["step"] != "0"]
-    assert len(steps) == 20 and int(steps[-1]["used"]) == 20
+    assert len(steps) == 20 and int(steps[-1]["used"]) == 20 and int(steps[-1]["refused"]) == sent >= 12
     assert all(int(steps[-1][k]) == 0 for k in ("dropped_stale", "dropped_no_snapshot", "evicted"))
-    assert all(float(x["logp_gap"]) == 0.0 for x in steps)          # trainer recomputed exactly the worker's numbers
+    # the workers' decode-time log-probs against the trainer's full forward, in fp32: rounding only (~1e-7)
+    gaps = [float(x["logp_gap"]) for x in steps]
+    assert max(gaps) < 1e-4 and sum(g > 0 for g in gaps) >= 10 and all(float(x["gap_out_frac"]) == 0 for x in steps)
     assert max(float(x["staleness"]) for x in steps) <= 2 and any(float(x["staleness"]) > 0 for x in steps)
 
 
-def test_a_killed_worker_costs_only_its_batch_and_a_late_one_catches_up(tmp_path):
-    port = free_port()
-    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "k", "--steps", 150, "--lease-timeout", 5,
-                    "--solve-at", 0, "--eval-every", 0, log=tmp_path / "trainer.log")
+def test_llm_old_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(tiny_lm):
+    """The trainer's recompute is exact: version 1's snapshot swapped in gives, bit for bit, what a model
+    holding version 1's weights scores. The sampler's decode-time log-probs differ from it by rounding only."""
+    from model import HFPolicy
+    from tasks import MaxDigit
+    policy, direct = HFPolicy(tiny_lm, max_new_tokens=8), HFPolicy(tiny_lm, max_new_tokens=8)   # both version 1
+    task, snaps = MaxDigit(eval_episodes=2, max_new_tokens=8), Snapshots(2)
+    snaps.add(1, trainable(policy))
+    torch.manual_seed(0)
+    batch = task.rollout(policy, task.sample(4, np.random.default_rng(0)), 4)      # sampled by version 1
+    with torch.no_grad():
+        for p in trainable(policy).values():
+            p.add_(0.05 * torch.randn_like(p))                                    # the trainer moved on
+    old = torch.cat(old_logprobs(policy, batch, snaps.get(1), micro_batch=4))
+    assert torch.equal(old, torch.cat(score(direct, batch, 4)))
+    gap = (batch.logp - old).abs()[batch.mask.bool()]                              # KV-cached decode vs full forward
+    assert 0 < gap.max() < 1e-4 and batch.mask.sum() >= 16
+
+
+def poll_rows(path, until, timeout=60):
+    """Rows of the trainer's CSV once until(rows) holds."""
+    for _ in range(timeout * 10):
+        r = rows(path) if os.path.exists(path) else []
+        if r and until(r):
+            return r
+        time.sleep(0.1)
+    raise TimeoutError(f"{path}: condition not met in {timeout} s")
+
+
+def test_an_abandoned_lease_and_a_killed_worker_stall_training_for_seconds(tmp_path):
+    """Default --lease-timeout (5 s). A lease taken and never renewed, then kill -9 of a worker that is
+    (most likely) generating: each costs one wait of at most --lease-timeout, and the killed worker its batch."""
+    port, csv_path = free_port(), tmp_path / "k.csv"
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "k", "--steps", 60, "--solve-at", 0,
+                    "--eval-every", 0, log=tmp_path / "trainer.log")
     ws = workers(port, 2)
-    wait_for_port(port)
-    time.sleep(3)
-    ws[0].send_signal(signal.SIGKILL)                                 # mid-run, possibly mid-generation
-    late = workers(port, 1, tmp=tmp_path)[0]                          # joins at the current version
+    late = None
     try:
-        assert wait(trainer, 240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        assert wait(late, 60) == 0                                      # exits by itself once the trainer is gone
+        wait_for_port(port)
+        n0 = len(poll_rows(csv_path, lambda r: len(r) >= 3))
+        assert TrainerClient(f"http://127.0.0.1:{port}", TOKEN).lease(wait=10)    # abandoned: never renewed
+        n1 = len(poll_rows(csv_path, lambda r: int(r[-1]["leases_expired"]) >= 1 and len(r) >= n0 + 8))
+        ws[0].send_signal(signal.SIGKILL)                                           # mid-batch
+        late = workers(port, 1, tmp=tmp_path, patience=3)[0]                        # joins at the current version
+        assert wait(trainer, 120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert wait(late, 60) == 0                                                  # exits once the trainer is gone
     finally:
-        for w in ws[1:] + [late]:
-            w.kill()
-    assert rows(tmp_path / "k.csv")[-1]["step"] == "150"
+        for w in ws[1:] + [late, trainer]:
+            w and w.kill()
+    r = rows(csv_path)
+    step_s = [float(x["step_s"]) for x in r]
+    typical = float(np.median(step_s))
+    stalls = [max(step_s[n0:n1]) - typical, max(step_s[n1:]) - typical]
+    held = int(r[-1]["leases_expired"]) - int(r[n1 - 1]["leases_expired"])
+    print(f"\nstall after an abandoned lease: {stalls[0]:.2f} s; after kill -9 of a worker: {stalls[1]:.2f} s "
+          f"(it held a lease: {held >= 1}); typical step {typical:.3f} s")
+    assert r[-1]["step"] == "60" and max(stalls) < 10
+    assert int(r[-1]["used"]) == 60 and int(r[-1]["dropped_stale"]) == 0                # only the dead batch lost
     done = (tmp_path / "worker0.log").read_text().split("exiting after ")[1]
-    assert int(done.split()[0]) >= 1                                  # the late worker's batches were used
+    assert int(done.split()[0]) >= 1                                                # the late worker's batches were used
 
 
-def test_trainer_restart_with_resume_keeps_workers_and_versions(tmp_path):
-    port = free_port()
+def test_trainer_killed_and_resumed_keeps_workers_and_never_mixes_runs(tmp_path):
+    """kill -9 the trainer, restart it with --resume on the same port: a new run id, version numbers reused
+    with other weights. The workers carry on; batches of the dead run are refused (409); every step's
+    logp_gap is exactly 0 (CartPole's MLP scores what it sampled bit for bit): no batch was scored
+    against a snapshot of the other run."""
+    port, csv_path = free_port(), tmp_path / "r.csv"
     args = ["--role", "trainer", "--serve-port", port, "--out", tmp_path / "r", "--solve-at", 0, "--eval-every", 0]
-    ws = workers(port, 2, patience=120)                                 # long enough for the restart below
+    ws, first, second = workers(port, 2, patience=30, tmp=tmp_path), None, None
+    client = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0)
     try:
-        assert wait(start(*args, "--steps", 8, log=tmp_path / "t1.log"), 180) == 0
-        client = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0)
-        second = start(*args, "--steps", 16, "--resume", tmp_path / "r.pt", log=tmp_path / "t2.log")
-        assert wait_for_port(port) >= 9                               # version continues: step 8 -> version 9
-        assert wait(second, 180) == 0, (tmp_path / "t2.log").read_text()[-3000:]
-        assert all(w.poll() is None or w.returncode == 0 for w in ws)
+        first = start(*args, "--steps", 40, "--ckpt-every", 3, log=tmp_path / "t1.log")
+        wait_for_port(port)
+        run1 = client.info()["run"]
+        poll_rows(csv_path, lambda r: len(r) >= 7)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        second = start(*args, "--steps", 30, "--resume", tmp_path / "r.pt", log=tmp_path / "t2.log")
+        version = wait_for_port(port)                                              # checkpoint step + 1: reused
+        assert version >= 7 and version % 3 == 1 and client.info()["run"] != run1
+        assert wait(second, 120) == 0, (tmp_path / "t2.log").read_text()[-3000:]
+        assert all(w.poll() is None for w in ws)                                   # still working, not restarted
     finally:
-        for w in ws:
-            w.kill()
-    r = rows(tmp_path / "r.csv")
-    assert [int(x["step"]) for x in r] == list(range(1, 17))          # one CSV, continued
-    assert client is not None
+        for w in ws + [first, second]:
+            w and w.kill()
+    r = rows(csv_path)
+    assert [int(x["step"]) for x in r] == list(range(1, 31))                       # one CSV, continued
+    assert all(float(x["logp_gap"]) == 0.0 for x in r)
+    print(f"\nbatches of the killed run refused after the restart: {r[-1]['wrong_run']}")
 
 
-def test_hostile_traffic_at_a_live_trainer_does_not_stop_training(tmp_path):
+def test_a_worker_reloads_when_the_run_changes_even_at_the_same_version(monkeypatch):
+    """A --resume republishes version numbers with other weights. Trainer A serves W_a as version 1; it
+    stops, and trainer B (a restart: a new run id) serves W_b, also as version 1, on the same port. The
+    worker's batch for B must be sampled by W_b: its log-probs are W_b's, not W_a's."""
+    from model import MLPPolicy
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
     port = free_port()
+    cfg = Config(role="rollout", trainer_url=f"http://127.0.0.1:{port}", n_prompts=4, trainer_patience=2)
+    task, policies = make_task(cfg), [MLPPolicy(4, 2, cfg.hidden) for _ in range(2)]     # W_a, W_b
+    worker = threading.Thread(target=rollout_worker, args=(cfg, task))
+    for i, policy in enumerate(policies):
+        server = TrainerServer(TOKEN, fingerprint(cfg, 4), 2, host="127.0.0.1", port=port,
+                               limits=batch_limits(cfg, task, policy, 4)).start()
+        server.publish(1, trainable(policy))
+        if i == 0:
+            worker.start()
+        batch = server.next_batches(1, 1, timeout=30)[0]
+        server.stop()
+        a, b = (torch.cat(score(p, batch, 0)) * batch.mask for p in policies)
+        assert torch.allclose(batch.logp, (a, b)[i], atol=1e-6) and not torch.allclose(batch.logp, (b, a)[i], atol=1e-3)
+    worker.join(30)
+    assert not worker.is_alive()
+
+
+def raise_fd_limit(need):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"ulimit -n: the hard limit {hard} is under the {need} file descriptors this test needs")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def test_a_held_and_hostile_trainer_still_trains_to_its_last_step(tmp_path):
+    """500 idle sockets, a client trickling a header line a second, and a hostile mix with and without the
+    token (garbage, pickles, lying Content-Lengths, bad shapes, NaN, stale and future versions, batches the
+    run cannot produce, leases never used) at a live trainer: one honest worker drives it to its last step."""
+    raise_fd_limit(2048)                                # 500 sockets here; the trainer (inherits it) holds <= 256
+    port, stop, marker = free_port(), threading.Event(), str(tmp_path / "unpickled")
     trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "h", "--steps", 30,
                     "--solve-at", 0, "--eval-every", 0, log=tmp_path / "trainer.log")
-    ws = workers(port, 1)
     wait_for_port(port)
-    marker = str(tmp_path / "unpickled")
-    auth, statuses = {"Authorization": f"Bearer {TOKEN}"}, []
-    for p in ("/version", "/info", "/weights?version=1", "/lease", "/batch", "/x", "/../etc/passwd"):
-        for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
-            statuses.append(status_of(port, "POST", p, h, b"{}"))
-            statuses.append(status_of(port, "GET", p, h))
-    for _ in range(3):
-        statuses += [status_of(port, "POST", "/batch", auth, body) for body in bad_batches(marker)]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(500)]
+    lying = socket.create_connection(("127.0.0.1", port))                           # says 1000 bytes, sends 10
+    lying.sendall(f"POST /batch HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n"
+                  "0123456789".encode())
+    auth, statuses, ws = {"Authorization": f"Bearer {TOKEN}"}, [], []
+
+    def trickle():
+        while not stop.is_set():                        # cut at the trainer's 30 s deadline: start over
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"POST /batch HTTP/1.1\r\n")
+                while not stop.wait(1.0):
+                    s.sendall(b"X-Slow: 1\r\n")
+
+    def hostile():                                      # over and over while the worker trains
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                for p in ("/version", "/info", "/weights?version=1", "/lease?worker=a", "/renew?lease=x", "/batch"):
+                    for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
+                        statuses.extend([status_of(port, "POST", p, h, b"{}"), status_of(port, "GET", p, h)])
+                statuses.extend(status_of(port, "POST", "/batch", auth, body) for body in bad_batches(marker))
+                statuses.append(status_raw(port, {**auth, "Content-Length": "5"}, b"x" * 100))  # says 5, sends 100
+                for v in (1, 10 ** 6):                  # stale (once training has moved on) and future
+                    statuses.append(status_of(port, "POST", "/batch", auth, batch_to_bytes(
+                        make_batch(version=v, N=L["n_prompts"] * L["group_size"], G=L["group_size"]), "x", info["run"])))
     try:
+        sent = refused_by_a_live_trainer(port)          # group size, T, action ids, masks, rewards, ..
+        client = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0)
+        info = client.info()
+        L = info["limits"]
+        nan = make_batch(N=L["n_prompts"] * L["group_size"], G=L["group_size"])
+        nan.logp[0, 0] = float("nan")
+        statuses.append(status_of(port, "POST", "/batch", auth, batch_to_bytes(nan, client.lease()[2], info["run"])))
+        greedy = [status_of(port, "POST", "/lease?worker=greedy", auth, b"") for _ in range(3)]   # never used
+        assert greedy == [200, 200, 429]                                            # 2 leases per worker at most
+        for fn in (trickle, hostile):
+            threading.Thread(target=fn, daemon=True).start()
+        ws = workers(port, 1)
         assert wait(trainer, 240) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     finally:
-        for w in ws:
+        stop.set()
+        for w in ws + [trainer]:
             w.kill()
-    assert len(statuses) >= 200 and all(400 <= s < 500 for s in statuses), sorted(set(statuses))
+        for s in idle + [lying]:
+            s.close()
+    assert len(statuses) >= 150 and all(400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert not os.path.exists(marker)
-    assert rows(tmp_path / "h.csv")[-1]["step"] == "30"
+    last = rows(tmp_path / "h.csv")[-1]
+    assert last["step"] == "30" and int(last["refused"]) >= sent + 1 and int(last["received"]) >= 30
 
 
 def test_old_logprobs_swap_in_the_snapshot_and_restore_bit_for_bit():

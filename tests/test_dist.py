@@ -1,4 +1,5 @@
 """Data parallelism: 2 gloo ranks, each with half the prompts, give the gradient of one process."""
+import importlib.util
 import os
 import socket
 import subprocess
@@ -41,6 +42,7 @@ def rank_main(rank, port, algo, agg, out):
     adv, target = algos.ESTIMATORS[algo](half, policy, **HP[algo])       # ppo whitens over both ranks
     grads, _ = grads_after(policy, cfg, half, adv, target)
     torch.save(grads, out + f".{rank}")
+    torch.distributed.barrier()                         # nobody tears gloo down under a peer (SIGABRT)
     torch.distributed.destroy_process_group()
 
 
@@ -63,7 +65,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.count("step 3 ") == 1                                 # rank 0 logs, once per step
+    assert p.stdout.count("step 3/3 ") == 1                                # rank 0 logs, once per step
     assert len((tmp_path / "dp.csv").read_text().splitlines()) == 1 + 1 + 3       # header, step-0 eval, 3 steps
 
 
@@ -74,6 +76,7 @@ def llm_rank_main(rank, port, tiny, out):
     cfg, policy, batch, adv = llm_problem(tiny)
     grads, _ = grads_after(policy, cfg, batch[rank * 4:(rank + 1) * 4], adv[rank * 4:(rank + 1) * 4], None, 4)
     torch.save(grads, out + f".{rank}")
+    torch.distributed.barrier()                         # nobody tears gloo down under a peer (SIGABRT)
     torch.distributed.destroy_process_group()
 
 
@@ -101,3 +104,87 @@ def test_two_gloo_ranks_equal_one_process_on_the_tiny_lm(tmp_path):
     for rank in range(2):
         for a, b in zip(one, torch.load(out + f".{rank}"), strict=True):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
+
+
+def collectives_rank_main(rank, port, tiny, out):
+    """Every collective the loop uses, in a group keyed by device as on GPUs (there cpu:gloo,cuda:nccl:
+    an NCCL-only group cannot reduce the CPU tensors of all_sum or scatter_object_list), and the
+    sharded held-out evaluation. The NCCL half needs a GPU even to initialize (tried here with torch
+    2.14.1's CUDA build: "ProcessGroupNCCL is only supported with GPUs"), so CPU tensors take the gloo
+    half of 'cpu:gloo', exactly as they do in 'cpu:gloo,cuda:nccl'."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    from tasks import MaxDigit
+    from utils import all_reduce_grads, all_sum, broadcast_params, init_distributed
+    init_distributed(timeout=60, backend="cpu:gloo")
+    p = torch.nn.Parameter(torch.full((3,), float(rank + 1)))
+    p.grad = torch.full((3,), float(rank + 1))
+    all_reduce_grads([p])
+    broadcast_params([p])                                                 # rank 0's 1.0 everywhere
+    got = [None]
+    torch.distributed.scatter_object_list(got, [{"r": 0}, {"r": 1}] if rank == 0 else None, src=0)
+    res = {"backend": torch.distributed.get_backend(), "sum": all_sum(rank + 1.0), "grad": p.grad.tolist(),
+           "param": p.data.tolist(), "object": got[0]}
+    torch.manual_seed(0)
+    res["cartpole"] = CartPole(eval_episodes=5).evaluate(Counting(MLPPolicy(4, 2, 16)), rank, 2)
+    res["rows"] = Counting.rows
+    if tiny:
+        from model import HFPolicy
+        torch.manual_seed(0)
+        res["maxdigit"] = MaxDigit(eval_episodes=9, max_new_tokens=1).evaluate(HFPolicy(tiny, max_new_tokens=1), rank, 2)
+    torch.save(res, out + f".{rank}")
+    torch.distributed.barrier()                         # nobody tears gloo down under a peer (SIGABRT)
+    torch.distributed.destroy_process_group()
+
+
+class Counting(torch.nn.Module):
+    """MLPPolicy that counts the rows it acts on: a rank must evaluate only its share."""
+    rows = 0
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def act(self, obs, greedy=False):
+        Counting.rows = max(Counting.rows, len(obs))
+        return self.policy.act(obs, greedy)
+
+
+def test_collectives_and_a_sharded_evaluation_on_two_ranks(tmp_path):
+    tiny = None
+    if importlib.util.find_spec("transformers"):
+        from model import make_tiny_lm
+        tiny = make_tiny_lm(str(tmp_path / "tiny"))
+    out = str(tmp_path / "c")
+    mp.start_processes(collectives_rank_main, args=(free_port(), tiny, out), nprocs=2, start_method="spawn")
+    torch.manual_seed(0)
+    one = CartPole(eval_episodes=5).evaluate(MLPPolicy(4, 2, 16))
+    for rank in range(2):
+        r = torch.load(out + f".{rank}")
+        assert r["backend"] == "cpu:gloo"
+        assert r["sum"] == 3.0 and r["grad"] == [3.0] * 3 and r["param"] == [1.0] * 3 and r["object"] == {"r": rank}
+        assert r["cartpole"] == one and r["rows"] == (3, 2)[rank]       # 5 seeds: 3 on rank 0, 2 on rank 1
+        if tiny:
+            from model import HFPolicy
+            from tasks import MaxDigit
+            torch.manual_seed(0)
+            assert r["maxdigit"] == MaxDigit(eval_episodes=9, max_new_tokens=1).evaluate(HFPolicy(tiny, max_new_tokens=1))
+
+
+
+def test_the_process_group_outlasts_the_batch_timeout(monkeypatch):
+    """Ranks > 0 wait in scatter_object_list as long as rank 0 waits for a worker batch: a group timeout
+    at NCCL's default 600 s equal to --batch-timeout 600 killed them."""
+    import train
+    import utils
+    seen = {}
+
+    def fake_init(backend, timeout):                                  # records what train() asks for, then stops
+        seen.update(backend=backend, timeout=timeout.total_seconds())
+        raise KeyError("stop here")
+
+    monkeypatch.setattr(utils.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(utils.dist, "is_initialized", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(KeyError, match="stop here"):
+        train.train(Config(batch_timeout=900.0))
+    assert seen == {"backend": "gloo", "timeout": 1500.0}

@@ -1,32 +1,49 @@
 """The async transport against a real server on 127.0.0.1: round trips, staleness, leases, and hostile input."""
+import contextlib
 import http.client
-import io
 import json
 import os
 import pickle
 import socket
-import tarfile
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from core import Batch
 from serve import (Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_from_bytes, batch_to_bytes,
-                   describe, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
+                   describe, max_batch_bytes, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
 
 TOKEN = "test-token-0123456789"
 FP = {"task": "cartpole", "split_seed": 0}
+# what the run can produce (train.batch_limits): control rows of <= 5 steps; LLM rows of a 1..3-token prompt and
+# 1..4 completion tokens over a vocabulary of 50, reward in [0, 1.1]
+LIMITS = {"group_size": 2, "n_prompts": 2, "prompt_len": 0, "max_len": 5, "n_actions": 2, "obs_dim": 4, "reward": [0, 5]}
+LLM_LIMITS = {**LIMITS, "prompt_len": 3, "max_len": 4, "n_actions": 50, "obs_dim": 0, "reward": [0, 1.1]}
 
 
-def make_batch(version=1, N=4, G=2, T=5, llm=False, seed=0):
+def make_batch(version=1, N=4, G=2, T=5, llm=False, seed=0, V=50):
+    """A batch a run of LIMITS (LLM_LIMITS; vocabulary V) could have sampled: random lengths, padding exactly 0."""
     g = torch.Generator().manual_seed(seed)
-    states = torch.randint(0, 50, (N, T), generator=g) if llm else torch.randn(N, T, 4, generator=g)
-    return Batch(states=states, actions=torch.randint(0, 2, (N, T), generator=g),
-                 logp=-torch.rand(N, T, generator=g), rewards=torch.randn(N, T, generator=g),
-                 mask=(torch.rand(N, T, generator=g) > 0.3).float(), truncated=torch.rand(N, generator=g) > 0.5,
-                 group_id=torch.arange(N // G).repeat_interleave(G),
+    start = torch.randint(1, 3, (N,), generator=g) if llm else torch.zeros(N, dtype=torch.long)  # prompt lengths
+    end = torch.stack([torch.randint(int(s) + 1, T + 1, (), generator=g) for s in start])         # [N]
+    t = torch.arange(T)
+    mask = ((t >= start[:, None]) & (t < end[:, None])).float()                                   # [N, T]
+    if llm:
+        states, rewards = torch.randint(0, V, (N, T), generator=g) * (t < end[:, None]), torch.zeros(N, T)
+        rewards[torch.arange(N), end - 1] = torch.randint(0, 2, (N,), generator=g).float()       # 0 or 1
+    else:
+        states, rewards = torch.randn(N, T, 4, generator=g) * mask[..., None], mask.clone()
+    return Batch(states=states, actions=states.clone() if llm else torch.randint(0, 2, (N, T), generator=g) * mask.long(),
+                 logp=-torch.rand(N, T, generator=g) * mask, rewards=rewards, mask=mask,
+                 truncated=torch.rand(N, generator=g) > 0.5, group_id=torch.arange(N // G).repeat_interleave(G),
                  final_states=None if llm else torch.randn(N, 4, generator=g), group_size=G, version=version)
+
+
+def submit(client, batch):
+    run, _, lease = client.lease()
+    return client.submit(batch, lease, run)
 
 
 def same_batch(a, b):
@@ -41,8 +58,9 @@ def serve(request):
     """serve(**kw) -> (server, client) on 127.0.0.1:<free port>, weights v1 published; stopped after the test."""
     servers = []
 
-    def make(max_staleness=2, batches_per_step=1, publish=True, **kw):
-        s = TrainerServer(TOKEN, FP, max_staleness, batches_per_step, host="127.0.0.1", port=0, **kw).start()
+    def make(max_staleness=2, batches_per_step=1, publish=True, limits=LIMITS, **kw):
+        s = TrainerServer(TOKEN, FP, max_staleness, batches_per_step, host="127.0.0.1", port=0, limits=limits,
+                          **kw).start()
         servers.append(s)
         if publish:
             s.publish(1, {"w": torch.zeros(3)})
@@ -59,8 +77,8 @@ def test_tensor_and_batch_round_trips_bit_for_bit():
     assert meta == {"k": "v"} and set(back) == set(t)
     assert all(back[k].dtype == t[k].dtype and torch.equal(back[k], t[k]) for k in t)
     for b in (make_batch(), make_batch(llm=True)):                   # [N, T, 4] with final_states; [N, T] long without
-        got, meta = batch_from_bytes(batch_to_bytes(b, "L1"))
-        assert same_batch(got, b) and meta["lease"] == "L1"
+        got, meta = batch_from_bytes(batch_to_bytes(b, "L1", "R1"))
+        assert same_batch(got, b) and (meta["lease"], meta["run"]) == ("L1", "R1")
 
 
 def test_publish_version_weights_and_the_cpu_alias(serve):
@@ -69,23 +87,26 @@ def test_publish_version_weights_and_the_cpu_alias(serve):
     server.publish(1, {"w": live, "b": torch.ones(2, 2)})
     live.add_(7)                                                    # the optimizer steps in place after publishing
     assert client.version() == 1
-    got = client.weights(1)
+    got = client.weights(server.run, 1)
     assert torch.equal(got["w"], torch.zeros(3))
     assert client.info()["names"] == {"w": [[3], "float32"], "b": [[2, 2], "float32"]}
     server.publish(2, {"w": live, "b": torch.ones(2, 2)})
     with pytest.raises(Rejected) as e:                              # only the current version is served
-        client.weights(1)
+        client.weights(server.run, 1)
     assert e.value.status == 404
-    assert torch.equal(client.weights(2)["w"], torch.full((3,), 7.0))
+    assert torch.equal(client.weights(server.run, 2)["w"], torch.full((3,), 7.0))
+    with pytest.raises(Rejected) as e:                              # weights go only to a worker of this run
+        client.weights("an-earlier-run", 2)
+    assert e.value.status == 409
     with pytest.raises(ValueError, match="only increase"):
         server.publish(2, {"w": live})
 
 
-def test_adapter_tar_round_trip(serve, tmp_path):
+def test_adapter_round_trip(serve, tmp_path):
     server, client = serve()
-    files = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": tensors_to_bytes({"a": torch.ones(2)})}
+    files = {"adapter_config.json": b'{"r": 8}', "empty": b"", "adapter_model.safetensors": tensors_to_bytes({"a": torch.ones(2)})}
     server.publish(2, {"w": torch.zeros(3)}, adapter_files=files)
-    out = client.adapter(2, str(tmp_path / "v2"))
+    out = client.adapter(server.run, 2, str(tmp_path / "v2"))
     assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == files
     with pytest.raises(ValueError, match="plain file name"):
         server.publish(3, {"w": torch.zeros(3)}, adapter_files={"../evil": b""})
@@ -136,23 +157,23 @@ def test_next_batches_timeout_keeps_what_it_took(serve):
 
 def test_leases_capacity_single_use_and_expiry(serve):
     server, client = serve(max_staleness=1, batches_per_step=1, lease_timeout=0.5)   # room (1 + 1) * 1 = 2
-    (v1, a), (v2, b) = client.lease(), client.lease()
+    (run, v1, a), (_, v2, b) = client.lease(), client.lease()
     assert v1 == v2 == 1 and client.lease() is None and client.retry_after > 0
-    client.submit(make_batch(), a)
+    client.submit(make_batch(), a, run)
     with pytest.raises(Rejected) as e:                              # a lease is used once
-        client.submit(make_batch(), a)
+        client.submit(make_batch(), a, run)
     assert e.value.status == 409
     with pytest.raises(Rejected) as e:
-        client.submit(make_batch(), "never-granted")
+        client.submit(make_batch(), "never-granted", run)
     assert e.value.status == 409
     with pytest.raises(Rejected) as e:
-        client.submit(make_batch(), "")
+        client.submit(make_batch(), "", run)
     assert e.value.status == 400
     assert client.lease() is None                                   # 1 queued + lease b = 2: full
     time.sleep(0.6)                                                 # b expires: its slot comes back
     assert client.lease() is not None and server.counters["leases_expired"] == 1
     with pytest.raises(Rejected) as e:
-        client.submit(make_batch(), b)
+        client.submit(make_batch(), b, run)
     assert e.value.status == 409
 
 
@@ -160,11 +181,11 @@ def test_lease_refused_when_the_batch_would_arrive_stale(serve):
     # k = 0: the trainer took its batch for version 1, so a batch started now at v1 would be used at v2
     # (staleness 1 > 0): room = 0 * 1 + (1 - 1 taken) = 0. Publishing v2 reopens room = 1.
     server, client = serve(max_staleness=0)
-    client.submit(make_batch(), client.lease()[1])
+    submit(client, make_batch())
     assert server.next_batches(1, 1, timeout=1)
     assert client.lease() is None
     server.publish(2, {"w": torch.zeros(3)})
-    assert client.lease()[0] == 2 and client.lease() is None
+    assert client.lease()[1] == 2 and client.lease() is None
 
 
 def test_check_names_what_differs(serve):
@@ -178,7 +199,7 @@ def test_check_names_what_differs(serve):
 
 def test_empty_token_and_gone_trainer(serve):
     with pytest.raises(ValueError, match="NANORL_TOKEN"):
-        TrainerServer("", FP, 2)
+        TrainerServer("", FP, 2, limits=LIMITS)
     server, client = serve()                                        # the client: 2 tries, 0.01 s backoff
     assert client.version() == 1
     server.stop()
@@ -208,8 +229,8 @@ def bad_batches(marker):
     good = make_batch()
     t = {f: getattr(good, f) for f in ("states", "actions", "logp", "rewards", "mask", "truncated", "group_id",
                                        "final_states")}
-    meta = {"version": "1", "lease": "x", "group_size": "2", "final_states": "1"}
-    blob = batch_to_bytes(good, "x")
+    meta = {"version": "1", "lease": "x", "run": "r", "group_size": "2", "final_states": "1"}
+    blob = batch_to_bytes(good, "x", "r")
     out = [b"", b"garbage", b"\x00" * 8, b"\xff" * 64, os.urandom(100), os.urandom(5000), pickle.dumps(Evil(marker)),
            pickle.dumps(Evil(marker), protocol=0), json.dumps({"states": [1, 2]}).encode(), b"{}" * 50]
     out += [blob[:n] for n in (1, 7, 8, 9, 50, len(blob) // 2, len(blob) - 1)]       # truncated safetensors
@@ -271,26 +292,18 @@ def status_socket(port, data: bytes):
     return int(line.split()[1])
 
 
-def evil_tar(kind):
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        info = tarfile.TarInfo({"dotdot": "../escape", "abs": "/tmp/nanorl-abs", "nested": "a/../../x",
-                                "dir": "d", "symlink": "link", "hardlink": "hl"}[kind])
-        if kind == "symlink":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
-        elif kind == "hardlink":
-            info.type, info.linkname = tarfile.LNKTYPE, "/etc/passwd"
-        elif kind == "dir":
-            info.type = tarfile.DIRTYPE
-        tar.addfile(info, io.BytesIO(b"") if info.isfile() else None)
-    return buf.getvalue()
+def evil_adapter(kind):
+    """An adapter body as a hostile trainer (or a man in the middle) could send it."""
+    name = {"dotdot": "../escape", "abs": "/tmp/nanorl-abs", "nested": "a/../../x", "dir": "d/", "dot": "."}.get(kind, "f")
+    t = torch.ones(2, 2, dtype=torch.uint8) if kind == "2d" else torch.ones(3) if kind == "float" else torch.ones(3, dtype=torch.uint8)
+    return tensors_to_bytes({name: t})
 
 
 def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     marker = str(tmp_path / "unpickled")
-    server, client = serve(max_body=1 << 20)
+    server, client = serve()
     good = make_batch(seed=42)
-    client.submit(good, client.lease()[1])
+    submit(client, good)
     port, auth = server.port, {"Authorization": f"Bearer {TOKEN}"}
     paths = ["/version", "/info", "/weights?version=1", "/adapter?version=1", "/lease", "/batch", "/nope", "/"]
     statuses = []
@@ -315,6 +328,7 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     big = b"x" * (4 << 20)                                          # refused unread: still an answer, not a reset
     exact = [(413, status_raw(port, {**auth, "Content-Length": str(10 ** 12)}, b"small")),   # before the body
              (411, status_raw(port, auth)),
+             (401, status_raw(port, {"Content-Length": str(10 ** 9)}, b"x")),                  # unread: answered now
              (403, status_of(port, "POST", "/batch", {"Authorization": "Bearer no"}, big)),
              (413, status_of(port, "POST", "/batch", auth, big))]
     assert [got for _, got in exact] == [want for want, _ in exact]
@@ -327,16 +341,16 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     assert len(statuses) >= 200
     assert all(400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert not os.path.exists(marker), "a pickle was unpickled"
-    for kind in ("dotdot", "abs", "nested", "dir", "symlink", "hardlink"):
+    for kind in ("dotdot", "abs", "nested", "dir", "dot", "2d", "float"):
         with pytest.raises(ValueError, match="refusing"):
-            unpack_adapter(evil_tar(kind), str(tmp_path / kind))
-    with pytest.raises(ValueError):
-        unpack_adapter(b"not a tar", str(tmp_path / "junk"))
+            unpack_adapter(evil_adapter(kind), str(tmp_path / kind))
+    with pytest.raises(ValueError, match="not safetensors"):
+        unpack_adapter(b"not an adapter", str(tmp_path / "junk"))
     assert not os.path.exists("/tmp/nanorl-abs") and not os.path.exists(tmp_path / "escape")
     # the server still answers, the good batch survived bit for bit, and a new good submit works
     assert client.version() == 1
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
-    client.submit(make_batch(seed=7), client.lease()[1])
+    submit(client, make_batch(seed=7))
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], make_batch(seed=7))
     assert server.counters["received"] == 2
 
@@ -345,24 +359,161 @@ def test_a_batch_due_now_is_waited_for_not_overtaken(serve):
     """k = 1. Lease a at v1; the trainer moves to v2; lease b at v2 and b's batch arrives first. At v2,
     a's batch is usable now or never (2 - 1 = k), so the trainer waits for it instead of taking b's."""
     server, client = serve(max_staleness=1)
-    _, lease_a = client.lease()
+    run, _, lease_a = client.lease()
     server.publish(2, {"w": torch.zeros(3)})
-    _, lease_b = client.lease()
-    client.submit(make_batch(version=2, seed=2), lease_b)
+    submit(client, make_batch(version=2, seed=2))
     import threading
-    threading.Timer(0.3, lambda: client.submit(make_batch(version=1, seed=1), lease_a)).start()
+    threading.Timer(0.3, lambda: client.submit(make_batch(version=1, seed=1), lease_a, run)).start()
     got = server.next_batches(1, 2, timeout=5)
     assert same_batch(got[0], make_batch(version=1, seed=1))
     assert server.counters["dropped_stale"] == 0
 
 
-def test_a_dead_workers_due_lease_stops_blocking_when_it_expires(serve):
+def test_a_step_waits_for_a_due_lease_only_while_it_proves_life(serve):
+    """k = 1, lease_timeout 0.5 s. Lease a at v1 is due at v2: while its worker renews it, the step waits for
+    it (3 lease_timeouts here); once the renewals stop (kill -9), the step goes on within lease_timeout."""
     server, client = serve(max_staleness=1, lease_timeout=0.5)
-    client.lease()                                                  # this worker dies
+    _, _, due = client.lease()
     server.publish(2, {"w": torch.zeros(3)})
-    _, lease_b = client.lease()
-    client.submit(make_batch(version=2, seed=2), lease_b)
+    submit(client, make_batch(version=2, seed=2))
+    with client.keep_alive(due), pytest.raises(TimeoutError):
+        server.next_batches(1, 2, timeout=1.5)
     t0 = time.monotonic()
     got = server.next_batches(1, 2, timeout=5)
-    assert 0.3 < time.monotonic() - t0 < 3 and same_batch(got[0], make_batch(version=2, seed=2))
+    assert time.monotonic() - t0 < 0.5 + 0.3 and same_batch(got[0], make_batch(version=2, seed=2))
     assert server.counters["leases_expired"] == 1
+
+
+def test_leases_prove_life_and_a_worker_holds_at_most_its_cap(serve):
+    server, client = serve(max_staleness=2, lease_timeout=0.4)     # room (2 + 1) * 1 = 3
+    (run, _, alive), (_, _, silent) = client.lease(), client.lease()
+    assert client.lease() is None and server.counters["leases_refused"] == 1            # the cap, not the room:
+    other = TrainerClient(client.url, TOKEN, patience=0.05)                           # another worker gets the 3rd
+    assert other.lease() is not None
+    with client.keep_alive(alive):                                                    # renewed every 0.08 s
+        time.sleep(1.2)
+    assert server.counters["leases_expired"] == 2                                     # the two silent ones
+    client.submit(make_batch(), alive, run)                                           # 3 lease_timeouts later
+    with pytest.raises(Rejected) as e:
+        client.submit(make_batch(), silent, run)
+    assert e.value.status == 409
+    with pytest.raises(Rejected) as e:                                                # no worker id: refused
+        client._call("POST", "/lease", b"")
+    assert e.value.status == 400
+
+
+def test_a_batch_from_another_run_is_refused_and_counted(serve):
+    server, client = serve()
+    assert TrainerServer(TOKEN, FP, 2, limits=LIMITS).run != server.run               # a new id per start
+    run, _, lease = client.lease()
+    with pytest.raises(Rejected) as e:                  # a worker still holding the previous run's weights
+        client.submit(make_batch(), lease, "a" * 16)
+    assert e.value.status == 409 and server.counters["wrong_run"] == 1 and server.counters["received"] == 0
+    client.submit(make_batch(), lease, run)
+    assert server.counters["received"] == 1
+
+
+def bad_for_the_run(limits, version=1):
+    """(reason, batch) pairs: each batch well-formed on the wire, with one thing the run of `limits` (its /info)
+    cannot produce. The base batch is one it can: rows of a 1-2 token prompt and 1-2 tokens, or <= 5 steps."""
+    G, P, prompt, L, A, (lo, hi) = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len",
+                                                        "n_actions", "reward"))
+    llm, N = prompt > 0, G * P
+    kw = {"version": version, "G": G, "llm": llm, "V": A}
+    b = make_batch(N=N, T=3 if llm else 5, **kw)
+    s, e = int(b.mask[0].argmax()), int(b.mask[0].argmax() + b.mask[0].sum())       # row 0's trained span
+
+    def edit(field, fn, batch=b):
+        x = getattr(batch, field).clone()
+        fn(x)
+        return replace(batch, **{field: x})
+    out = [("this run takes", make_batch(N=N + G, **kw)),                             # one prompt too many
+           ("this run takes", replace(b, group_size=1, group_id=torch.arange(N)) if G > 1 else
+            replace(b, group_size=2, group_id=torch.arange(N // 2).repeat_interleave(2))),
+           ("is over this", make_batch(N=N, T=prompt + L + 1, **kw)),                 # T one past the budget
+           ("one contiguous run", edit("mask", lambda m: m[0].zero_())),                # an empty row
+           ("one contiguous run", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
+           ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
+           ("not this run's", make_batch(N=N, **{**kw, "llm": not llm}))]             # rows of the other kind
+    if llm:
+        wide = make_batch(N=N, T=prompt + 2, **kw)
+        out += [("token ids must be in", edit("actions", lambda x: x[0].__setitem__(0, A),
+                                              edit("states", lambda x: x[0].__setitem__(0, A)))),
+                ("actions equal states", edit("actions", lambda x: x[0].__setitem__(s, (x[0, s] + 1) % A))),
+                ("start after its prompt", edit("mask", lambda m: m[0, :e].fill_(1))),  # a mask on position 0
+                ("start after its prompt", edit("mask", lambda m: (m[0].zero_(), m[0, prompt + 1].fill_(1)), wide)),
+                ("last completion token", edit("rewards", lambda r: r[0].__setitem__(0, 0.5))),
+                ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, lo - 1)))]
+        if prompt >= 2:                                                               # a completion one too long
+            out.append(("start after its prompt", edit("mask", lambda m: m[0, 1:L + 2].fill_(1),
+                                                       make_batch(N=N, T=prompt + L, **kw))))
+    else:
+        short = edit("mask", lambda m: m[0, 1:].zero_())
+        out += [("action ids must be in", edit("actions", lambda a: a[0].__setitem__(0, A))),
+                ("action ids must be in", edit("actions", lambda a: a[0].__setitem__(0, -1))),
+                ("start after its prompt (0..0", edit("mask", lambda m: (m[0].zero_(), m[0, 1:3].fill_(1)))),
+                ("masked steps", edit("rewards", lambda r: r[0].__setitem__(3, 1.0), replace(short, rewards=short.mask.clone()))),
+                ("not this run's", replace(b, states=torch.randn(N, 5, 5), final_states=torch.randn(N, 5)))]
+    return out
+
+
+@pytest.mark.parametrize("llm", [False, True], ids=["control", "llm"])
+def test_a_batch_this_run_cannot_produce_gets_400_with_the_reason(serve, llm):
+    server, client = serve(limits=LLM_LIMITS if llm else LIMITS)
+    good = make_batch(llm=llm, seed=5)
+    submit(client, good)
+    run, _, lease = client.lease()                      # a valid token and lease: only the batch is wrong
+    cases = bad_for_the_run(LLM_LIMITS if llm else LIMITS)
+    for why, bad in cases:
+        with pytest.raises(Rejected) as e:
+            client.submit(bad, lease, run)
+        assert e.value.status == 400 and why in str(e.value), (why, str(e.value))
+    assert server.counters["refused"] == len(cases) and server.counters["received"] == 1
+    client.submit(make_batch(llm=llm, seed=6), lease, run)                            # the lease still holds
+    assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
+    # a body is at most what this run's largest batch can be: refused on its Content-Length, unread
+    assert server.max_body == max_batch_bytes(LLM_LIMITS if llm else LIMITS) < 20_000
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert status_raw(server.port, {**auth, "Content-Length": str(server.max_body + 1)}) == 413
+
+
+def test_idle_and_trickling_clients_cannot_hold_the_server(serve):
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:                                     # 500 idle sockets here + the server's 256 in this process
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"ulimit -n: the hard limit {hard} is too low for 500 idle sockets + the server's")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard) if hard != resource.RLIM_INFINITY else 2048, hard))
+    server, client = serve(timeout=1.0)                 # headers + body within 1 s
+    port = server.port
+
+    def trickle():
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /batch HTTP/1.1\r\n")
+        return s
+    def work(seconds, tricklers, v):                    # an honest worker and the trainer, meanwhile
+        t0, slowest = time.monotonic(), 0.0
+        while time.monotonic() - t0 < seconds:
+            for s in tricklers:
+                with contextlib.suppress(OSError):
+                    s.sendall(b"X-Slow: 1\r\n")      # a header line at every step
+            t = time.monotonic()
+            submit(client, make_batch(version=v))
+            server.next_batches(1, v, timeout=1)
+            v += 1
+            server.publish(v, {"w": torch.zeros(3)})
+            slowest = max(slowest, time.monotonic() - t)
+        return slowest, v
+    trickler = trickle()
+    slowest, v = work(1.5, [trickler], 1)
+    trickler.settimeout(2)
+    assert trickler.recv(100).startswith(b"HTTP/1.1 408 ") and slowest < 0.5   # cut at its deadline
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(500)]
+    tricklers = [trickle()]
+    slowest, v = work(0.5, tricklers, v)
+    assert slowest < 0.5
+    t = time.monotonic()
+    server.stop()
+    assert time.monotonic() - t < 1.0                   # with 256 idle sockets and a trickler connected
+    for s in idle + tricklers:
+        s.close()

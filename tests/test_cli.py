@@ -1,0 +1,163 @@
+"""A new user's first hour, as real processes: --help, what a run prints, Ctrl-C and --resume, run names
+that never overwrite, one-line errors instead of tracebacks, and the plot command."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tasks import MaxDigit, held_out
+from test_dist import free_port
+from test_train import ROOT
+from train import Config, validate
+
+TRAIN, MODEL = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "model.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(*args, cwd, timeout=120, env=ENV):
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("script", [TRAIN, MODEL], ids=["train.py", "model.py"])
+def test_help_prints_usage_and_creates_nothing(script, tmp_path):
+    p = run(script, "--help", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage:") and "Traceback" not in p.stderr
+    assert os.listdir(tmp_path) == []                                  # model.py --help once made a folder '--help'
+
+
+def test_a_run_says_what_it_trains_and_where_its_files_go(tmp_path):
+    p = run(TRAIN, "--steps", 3, "--solve-at", 0, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "reinforce on cartpole" in lines[0]
+    assert "runs/cartpole_reinforce.csv" in lines[1] and "runs/cartpole_reinforce.pt" in lines[1]
+    steps = [x for x in lines if x.startswith("step ")]
+    assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
+    assert all(len(x) <= 100 and "elapsed, eta" in x and "s/step" in x for x in steps), steps
+    assert "python tests/plot.py runs/cartpole_reinforce.csv" in lines[-1]
+    # the full metrics are in the CSV: every column, one row per step and the step-0 evaluation
+    r = rows(tmp_path / "runs" / "cartpole_reinforce.csv")
+    assert [x["step"] for x in r] == ["0", "1", "2", "3"] and r[1]["grad_norm"] and r[1]["entropy"]
+
+
+def test_runs_never_overwrite_each_other(tmp_path):
+    for _ in range(2):
+        assert run(TRAIN, "--steps", 1, "--solve-at", 0, cwd=tmp_path).returncode == 0
+    assert sorted(os.listdir(tmp_path / "runs")) == ["cartpole_reinforce-2.csv", "cartpole_reinforce-2.pt",
+                                                     "cartpole_reinforce.csv", "cartpole_reinforce.pt"]
+    assert run(TRAIN, "--config", os.path.join(ROOT, "configs", "cartpole_ppo.yaml"), "--steps", 1, "--solve-at", 0,
+               cwd=tmp_path).returncode == 0
+    assert (tmp_path / "runs" / "cartpole_ppo.csv").exists()        # named after its config
+    p = run(TRAIN, "--out", "runs/cartpole_ppo", "--steps", 1, cwd=tmp_path)   # an explicit name that exists
+    assert p.returncode == 1 and "nothing is overwritten: continue that run with --resume runs/cartpole_ppo.pt" in p.stderr
+
+
+def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weights(tmp_path):
+    args = ["--steps", 40, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
+    assert run(TRAIN, *args, "--out", "full", cwd=tmp_path).returncode == 0
+    p = subprocess.Popen([sys.executable, TRAIN, *map(str, args), "--out", "part"], cwd=tmp_path, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (os.path.exists(tmp_path / "part.csv") and len(rows(tmp_path / "part.csv")) >= 8):
+        assert time.time() < deadline and p.poll() is None, "the run never got going"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)                                       # Ctrl-C, mid-run
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert out.splitlines()[-1] == f"    python {TRAIN} --resume part.pt"   # the exact command, printed last
+    done = torch.load(tmp_path / "part.pt")["step"]
+    assert 7 <= done < 40
+    r = run(*out.splitlines()[-1].split()[1:], cwd=tmp_path)         # that command, as printed
+    assert r.returncode == 0, r.stderr
+    a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "part.pt")
+    assert a["step"] == b["step"] == 40 and a["env_steps"] == b["env_steps"]
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])
+    full, part = rows(tmp_path / "full.csv"), rows(tmp_path / "part.csv")
+    assert [x["step"] for x in part] == [str(i) for i in range(41)]    # each step once: no repeated rows
+    assert [(x["reward"], x["eval_return"]) for x in part] == [(x["reward"], x["eval_return"]) for x in full]
+    # resuming the finished run says so, instead of doing nothing
+    again = run(TRAIN, "--resume", "part.pt", cwd=tmp_path)
+    assert again.returncode == 1 and "that run is finished: it is at step 40 of --steps 40" in again.stderr
+    assert "--steps above 40" in again.stderr
+
+
+def one_line_error(p, expected):
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines() == [p.stderr.strip()] and expected in p.stderr, p.stderr
+
+
+def test_bad_files_give_one_line_errors(tmp_path):
+    one_line_error(run(TRAIN, "--config", "nope.yaml", cwd=tmp_path), "error: --config nope.yaml: no such file")
+    (tmp_path / "bad.yaml").write_text("algo: [grpo\nsteps: 3\n")
+    one_line_error(run(TRAIN, "--config", "bad.yaml", cwd=tmp_path), "is not valid YAML at line 2")
+    (tmp_path / "notes.pt").write_text("a text file, not a checkpoint\n")
+    p = run(TRAIN, "--resume", "notes.pt", cwd=tmp_path)
+    one_line_error(p, "--resume notes.pt is not a readable NanoRL checkpoint (not a torch zip file)")
+    assert "weights_only" not in p.stderr                             # torch's advice would be unsafe here
+    torch.save({"some": "other file"}, tmp_path / "other.pt")
+    one_line_error(run(TRAIN, "--resume", "other.pt", cwd=tmp_path), "not saved by NanoRL")
+    one_line_error(run(TRAIN, "--task", "maxdigit", "--algo", "grpo", "--group-size", 2, "--model", "no/such/folder",
+                       cwd=tmp_path), "--model no/such/folder: no local folder")
+
+
+def test_torchrun_prints_a_user_error_once_and_names_it_in_its_summary(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                        str(free_port()), TRAIN, "--algo", "grpo"], cwd=tmp_path, env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert [x for x in out.splitlines() if x.startswith("error:")] == [
+        "error: --algo grpo needs --group-size >= 2 (a group of one is its own baseline, so every advantage is 0): "
+        "use --group-size 8, or --algo reinforce"]
+    assert "traceback : error: --algo grpo needs --group-size >= 2" in out  # torchrun's root cause, not a link
+
+
+def test_maxdigit_holds_out_distinct_problems_and_always_9_scores_27_percent():
+    task = MaxDigit(eval_episodes=100)
+    prompts = [p["prompt"] for p in task.eval_set]
+    assert len(prompts) == len(set(prompts)) == 100 and all(held_out(p) for p in prompts)
+    assert sum(p["answer"] == "9" for p in task.eval_set) == 27       # the README's baseline, counted on this set
+    assert len(MaxDigit(eval_episodes=1000).eval_set) == 107          # all of 1,000 prompts' held-out tenth
+
+
+def test_a_tiny_held_out_split_warns(tmp_path, capsys):
+    from tasks import GSM8K
+    data = tmp_path / "g.jsonl"
+    data.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "#### {i + 1}"}}\n' for i in range(30)))
+    task = GSM8K(eval_episodes=16, data=str(data))
+    assert len(task.eval_set) < 20
+    assert f"warning: only {len(task.eval_set)} held-out problems" in capsys.readouterr().err
+
+
+def test_llm_discounting_and_fp16_training_are_refused(monkeypatch):
+    monkeypatch.setenv("NANORL_TOKEN", "t")
+    llm = dict(task="maxdigit", model="gpt2", algo="reinforce")
+    with pytest.raises(ValueError, match=r"--gamma 0.99 would discount LLM tokens .* use --gamma 1"):
+        validate(Config(**llm))
+    validate(Config(**llm, gamma=1.0))
+    with pytest.raises(ValueError, match="--dtype float16 would train without loss scaling"):
+        validate(Config(**llm, gamma=1.0, dtype="float16"))
+    validate(Config(**llm, gamma=1.0, dtype="float16", role="rollout", trainer_url="http://127.0.0.1:1"))
+
+
+def test_plot_writes_a_png_of_your_run_or_says_matplotlib_is_missing(tmp_path):
+    assert run(TRAIN, "--steps", 2, "--solve-at", 0, "--out", "r", cwd=tmp_path).returncode == 0
+    no_mpl = "import runpy, sys; sys.modules['matplotlib'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
+    p = run("-c", no_mpl, os.path.join(ROOT, "tests", "plot.py"), "r.csv", cwd=tmp_path)
+    assert p.returncode == 1 and p.stderr.strip() == "error: plotting needs matplotlib, an optional extra: " \
+                                                     "pip install matplotlib"
+    pytest.importorskip("matplotlib", reason="the PNG itself needs: pip install matplotlib")
+    p = run(os.path.join(ROOT, "tests", "plot.py"), "r.csv", cwd=tmp_path)
+    assert p.returncode == 0 and (tmp_path / "r.png").stat().st_size > 10_000, p.stderr
