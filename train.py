@@ -128,13 +128,12 @@ class Config:
         return self.clip_eps_high or self.clip_eps
 
 
-COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
-           "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "zero_std_frac", "completion_len",
-           "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", "received",
-           "used", "dropped_stale", "dropped_no_snapshot", "evicted", "gap_out_frac", "refused", "wrong_run",
-           "leases_expired"]
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused", "wrong_run",
-                 "leases_expired"]
+                 "leases_expired"]                # the trainer server's counters, logged as they are
+COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
+           "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "gap_out_frac", "zero_std_frac",
+           "completion_len", "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness",
+           *QUEUE_COLUMNS]
 
 
 def train(cfg: Config) -> dict:
@@ -367,14 +366,14 @@ def make_policy(cfg: Config, task):
                              gpu_memory_utilization=cfg.vllm_mem)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
-    t0 = time.time()
-    print(f"loading {cfg.model} ...", flush=True)
+    t0, say = time.time(), print if os.environ.get("RANK", "0") == "0" else lambda *a, **k: None  # once, not per rank
+    say(f"loading {cfg.model} ...", flush=True)
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
                       dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                       gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
     n, n_train = (sum(p.numel() for p in ps) / 1e6 for ps in (policy.parameters(), trainable(policy).values()))
-    print(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
-          f"{n_train:.1f}M trained", flush=True)
+    say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
+        f"{n_train:.1f}M trained", flush=True)
     return policy
 
 
