@@ -75,10 +75,10 @@ class HFPolicy(nn.Module):
 
     def __init__(self, name, lora_r=0, lora_alpha=32, lora_targets="all-linear", dtype="float32",
                  temperature=1.0, max_new_tokens=256, gen_batch=64, grad_ckpt=False, thinking=False,
-                 ref_copy=False):
+                 ref_copy=False, device="cpu"):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)             # train.py's: utils.local_device, init_distributed's
         self.dtype = getattr(torch, dtype)
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
@@ -153,6 +153,13 @@ class HFPolicy(nn.Module):
         toks, logps = torch.stack(toks, 1).cpu(), torch.stack(logps, 1).float().cpu()             # [B, C]
         hit = torch.isin(toks, eos.cpu())
         length = torch.where(hit.any(1), hit.int().argmax(1) + 1, toks.shape[1])                    # stop token kept
+        # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
+        bad = ~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])                   # [B, C]
+        if bad.any():
+            step = int(bad.any(0).int().argmax())
+            raise ValueError(f"non-finite logits at decode step {step} (0 = the first new token), computing "
+                             f"in {self.dtype}: float16 overflows, so use --dtype bfloat16 or float32; if it "
+                             f"persists, the weights hold NaN or inf")
         return [(toks[b, :n].clone(), logps[b, :n].clone(), not bool(hit[b].any())) for b, n in enumerate(length.tolist())]
 
     def logprobs(self, batch, entropy=False):
@@ -206,7 +213,9 @@ class HFPolicy(nn.Module):
             model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1,
                   **{self.cache_key: cache})
             cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)                   # attn [mb, L + S]
-        return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=True,
+        # use_cache only with the prefix cache: asked without one, a model makes its own, which a checkpointed
+        # replay writes twice (transformers' Llama overrides it, with a warning)
+        return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                      **{self.cache_key: cache}).logits                                            # [mb, S, V]
 
     def value(self, states):
@@ -268,12 +277,13 @@ def _prefix_cache():
 
 
 def _no_dropout(model):
-    """Zero every dropout probability (modules, LoRA's included, attention layers' floats, the config's):
+    """Zero every training-mode randomness: dropout modules (LoRA's included) and the floats the config and
+    its layers declare (*dropout*, *pdrop, drop_path_rate, OPT's layerdrop, Mixtral's router_jitter_noise):
     checkpointing needs training mode, and the loss models the dropout-free sampler (epoch 0's ratio is 1)."""
     for m in list(model.modules()) + [model.config, model.config.get_text_config()]:
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
-        for k in [k for k, v in vars(m).items() if "dropout" in k and isinstance(v, float)]:
+        for k in [k for k, v in vars(m).items() if ("drop" in k or "jitter" in k) and isinstance(v, float)]:
             setattr(m, k, 0.0)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import os
 import secrets
 import threading
@@ -27,8 +28,9 @@ from core import Batch
 # Batch field -> (dtype, rank) on the wire; states is [N, T] long or [N, T, O] float32, final_states [N, O] float32
 FIELDS = {"actions": (torch.long, 2), "logp": (torch.float32, 2), "rewards": (torch.float32, 2),
           "mask": (torch.float32, 2), "truncated": (torch.bool, 1), "group_id": (torch.long, 1)}
-MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; open connections; leases a worker may hold
-LINGER_S = 2.0                                      # seconds an answered client may still send (discarded)
+MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
+HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
+CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
 
 
 class Rejected(Exception):
@@ -71,29 +73,32 @@ def describe(tensors: dict) -> dict:
 
 def batch_to_bytes(batch: Batch, lease: str, run: str) -> bytes:
     tensors = {f: getattr(batch, f) for f in ("states", *FIELDS, "final_states") if getattr(batch, f) is not None}
-    meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size),
-            "final_states": str(int(batch.final_states is not None))}
+    meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size)}
     return tensors_to_bytes(tensors, meta)
 
 
 def batch_from_bytes(data: bytes) -> tuple[Batch, dict]:
     """-> (Batch, metadata) after every check that needs no server state; each defect raises ValueError."""
     t, meta = tensors_from_bytes(data)
-    version, G, final = (meta.get(k, "") for k in ("version", "group_size", "final_states"))
+    version, G = (meta.get(k, "") for k in ("version", "group_size"))
     if not (version.isascii() and version.removeprefix("-").isdigit() and G.isascii() and G.isdigit()
-            and meta.get("lease") and meta.get("run") and final in ("0", "1")):
-        raise ValueError(f"metadata needs int version and group_size, a lease and a run (POST /lease), final_states "
-                         f"'0' or '1', got {str(meta)[:300]}")
-    version, G, want = int(version), int(G), {"states", *FIELDS} | ({"final_states"} if final == "1" else set())
+            and meta.get("lease") and meta.get("run")):
+        raise ValueError(f"metadata needs int version and group_size, a lease and a run (POST /lease), got "
+                         f"{str(meta)[:300]}")
+    # control rows ([N, T, O] states) end somewhere: PPO's critic bootstraps a truncated row from there, and a
+    # batch without final_states once killed a PPO trainer (TypeError); token rows have none
+    control = "states" in t and t["states"].ndim == 3
+    version, G, want = int(version), int(G), {"states", *FIELDS} | ({"final_states"} if control else set())
     if set(t) != want:
-        raise ValueError(f"tensors {sorted(t)} are not the expected {sorted(want)}")
+        raise ValueError(f"tensors {sorted(t)} are not the expected {sorted(want)}: final_states [N, O] "
+                         f"comes with [N, T, O] states (control), never with [N, T] token ids")
     s = t["states"]
     if not ((s.dtype == torch.long and s.ndim == 2) or (s.dtype == torch.float32 and s.ndim == 3)):
         raise ValueError(f"states must be [N, T] long or [N, T, O] float32, got {s.dtype} {list(s.shape)}")
     N, T = s.shape[:2]
     spec = {f: (dtype, (N, T) if rank == 2 else (N,)) for f, (dtype, rank) in FIELDS.items()}
-    if final == "1":
-        spec["final_states"] = (torch.float32, (N, s.shape[-1] if s.ndim == 3 else "O of [N, T, O] states"))
+    if control:
+        spec["final_states"] = (torch.float32, (N, s.shape[2]))
     for f, (dtype, shape) in spec.items():
         if t[f].dtype != dtype or tuple(t[f].shape) != shape:
             raise ValueError(f"{f} must be {dtype} {list(shape)}, got {t[f].dtype} {list(t[f].shape)}")
@@ -146,22 +151,27 @@ def max_batch_bytes(limits: dict) -> int:
 
 # ---- the PEFT adapter travels as safetensors too: one uint8 tensor per file ----
 
-def _plain(name: str) -> bool:
-    return name not in ("", ".", "..") and os.path.basename(name) == name and "\\" not in name
+# what vLLM loads, and nothing else: workers write them into the folder it loads, where an adapter_model.bin
+# (a pickle) would be unpickled; any other name could also be a path ('../x', '/etc/x')
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def pack_adapter(files: dict[str, bytes]) -> bytes:
-    if bad := [n for n in files if not _plain(n)]:
-        raise ValueError(f"adapter files {bad} must be plain file names (no directories)")
-    return tensors_to_bytes({n: torch.frombuffer(bytearray(d), dtype=torch.uint8) if d else torch.zeros(0, dtype=torch.uint8)
-                            for n, d in files.items()})
+    """The two ADAPTER_FILES out of what PEFT's save_pretrained wrote (it adds a README.md: left out)."""
+    if missing := [n for n in ADAPTER_FILES if n not in files]:
+        raise ValueError(f"adapter files {missing} missing from {sorted(files)[:5]}: save the adapter with "
+                         f"PEFT's save_pretrained(dir, safe_serialization=True)")
+    return tensors_to_bytes({n: torch.frombuffer(bytearray(files[n]), dtype=torch.uint8)
+                             for n in ADAPTER_FILES})
 
 
 def unpack_adapter(data: bytes, dest_dir: str) -> str:
-    """Write the files into dest_dir, refusing any name but a plain one: no absolute paths, '..' or dirs."""
+    """Write the two ADAPTER_FILES into dest_dir; anything else, and nothing is written."""
     files = tensors_from_bytes(data)[0]
-    if bad := [n for n, t in files.items() if not (_plain(n) and t.dtype == torch.uint8 and t.ndim == 1)]:
-        raise ValueError(f"refusing adapter files {bad[:5]}: only plain file names, as 1-d uint8")
+    bytes_1d = all(t.dtype == torch.uint8 and t.ndim == 1 for t in files.values())
+    if set(files) != set(ADAPTER_FILES) or not bytes_1d:
+        raise ValueError(f"refusing adapter files {str(sorted(files))[:200]}: only {list(ADAPTER_FILES)}, "
+                         f"both, as 1-d uint8 (is the trainer running this NanoRL version?)")
     os.makedirs(dest_dir, exist_ok=True)
     for n, t in files.items():
         with open(os.path.join(dest_dir, n), "wb") as f:
@@ -172,16 +182,16 @@ def unpack_adapter(data: bytes, dest_dir: str) -> str:
 # ---- the trainer's side ----
 
 class Snapshots:
-    """The trainable tensors of the last k + 2 versions, kept by every trainer rank: a batch sampled at
-    version v is used by version v + k at the latest, and its old log-probs need v's exact weights."""
+    """The trainable tensors of the last k + 1 versions, kept by every trainer rank: step s trains on a batch
+    sampled at version s - k .. s, whose old log-probs need its exact weights; s + 1 is added after step s."""
 
     def __init__(self, max_staleness: int):
-        self.keep, self.by_version = max_staleness + 2, {}
+        self.keep, self.by_version = max_staleness + 1, {}
 
     def add(self, version: int, tensors: dict) -> dict:
-        # the clone is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the
-        # optimizer then changes under the snapshot that old log-probs are recomputed with
-        self.by_version[version] = {k: v.detach().cpu().clone() for k, v in tensors.items()}
+        # copy=True is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the optimizer
+        # then changes under the snapshot; .cpu().clone() copied GPU tensors twice
+        self.by_version[version] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         while len(self.by_version) > self.keep:
             del self.by_version[min(self.by_version)]
         return self.by_version[version]
@@ -203,9 +213,11 @@ class TrainerServer:
     Run identity: a random id per start, in /info, leases and weights; a batch must bring it back: a
     --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run).
 
-    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers + body within
-    `timeout` s (else 408), checked on the headers before a byte of the body is read, at most this run's
-    largest batch; MAX_CONNS at most (the oldest closed).
+    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S s
+    and the whole request within `timeout` s (else 408), checked on the headers before a byte of the body is
+    read, at most this run's largest batch. Authentication comes first: at most MAX_CONNS connections yet to
+    show the token (the oldest closed), and a connection that showed it is never closed for one that has not.
+    An answer is cut only when the client took no byte of it for `timeout` s. finish(): 410 to everyone.
     """
 
     def __init__(self, token: str, fingerprint: dict, max_staleness: int, batches_per_step: int = 1,
@@ -220,11 +232,14 @@ class TrainerServer:
         self.capacity, self.host, self.port, self._thread = (max_staleness + 1) * batches_per_step, host, port, None
         self.version, self.names, self._weights, self._adapter = 0, {}, None, None
         self._step_s, self._published = 1.0, 0.0    # seconds per version: the 429's retry_after hint
+        self._gen_s = None                          # seconds from lease to batch, averaged: how far ahead
+        self._post_s, self._asked = 0.0, 0          # seconds the trainer works after a publish (evaluating)
         self._queue, self._leases, self._taken = deque(), {}, {}   # lease id -> [version, worker, alive until, until]
         self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted refused wrong_run "
                                       "leases_refused leases_expired".split(), 0)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
-        self._conns = {}                            # the event loop's: StreamWriter -> its handler task
+        self._finished = ""                         # set by finish(): every request then gets a 410 saying it
+        self._conns, self._unknown = {}, {}         # the loop's, writer -> handler task: all; no token yet
         self.routes = {"/version": ("GET", lambda q, b: {"version": self.version, "run": self.run}),
                        "/info": ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
                                                       "fingerprint": self.fingerprint, "names": self.names}),
@@ -257,6 +272,14 @@ class TrainerServer:
             self._thread.join()
             self._loop.close()
             self._thread = None
+
+    def finish(self, grace: float):
+        """The run is over: every request with the token from now on, and every lease waiting, gets a 410, so
+        workers exit instead of retrying a trainer that is gone. Returns after `grace` s, time for the
+        workers' lease renewals (every lease_timeout / 5 s) to hear it; then stop()."""
+        self._finished = f"run {self.run} finished: no more batches are needed, the worker can exit"
+        self._wake()
+        time.sleep(grace)
 
     def publish(self, version: int, tensors: dict, adapter_files: dict[str, bytes] | None = None):
         """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
@@ -292,6 +315,9 @@ class TrainerServer:
         TimeoutError after `timeout` s, with the usable ones taken so far put back in front."""
         out, deadline = [], time.monotonic() + timeout
         with self._cv:
+            if self._asked != current_version:     # its first ask since the publish: how long did it work on?
+                post = time.monotonic() - self._published
+                self._post_s, self._asked = 0.8 * self._post_s + 0.2 * post, current_version
             while len(out) < n:
                 while not self._ready(current_version) and time.monotonic() < deadline:
                     self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire by time
@@ -357,14 +383,19 @@ class TrainerServer:
         with self._cv:
             now = time.monotonic()
             self._expire(now)
-            room = self.k * self.bps + self.bps - self._taken.get(self.version, 0)
+            # lease only as far ahead as a batch takes to make, beyond what the trainer's work after a publish
+            # (evaluating) hides, in versions, k at most: a full queue made every batch k versions stale, and
+            # async CartPole collapsed 1 run in 2
+            lead = max((self._gen_s or 0.0) - self._post_s, 0.0)
+            ahead = self.k if self._gen_s is None else min(self.k, math.ceil(lead / max(self._step_s, 1e-3)))
+            room = ahead * self.bps + self.bps - self._taken.get(self.version, 0)
             held = sum(w == worker for _, w, *_ in self._leases.values())
             if self.version < 1 or len(self._leases) + len(self._queue) >= room or held >= PER_WORKER:
                 if wait.isdigit() and int(wait) > 0 and held < PER_WORKER:
                     raise _Wait(min(int(wait), self.timeout / 2))
                 self.counters["leases_refused"] += 1
                 why = ("no weights published yet" if self.version < 1 else f"worker {worker} holds {held} leases"
-                       if held >= PER_WORKER else "no room: a batch started now would arrive too stale")
+                       if held >= PER_WORKER else "no room: a batch started now would wait, or be too stale")
                 raise Rejected(429, why, retry_after=0.0 if wait == "over" else round(min(max(self._step_s, 0.05), 60), 3))
             lid = secrets.token_hex(16)
             self._leases[lid] = [self.version, worker, now + self.lease_timeout, now + self.lease_life]
@@ -398,6 +429,8 @@ class TrainerServer:
                 if batch.version < lease[0]:
                     raise ValueError(f"batch sampled at version {batch.version}, before its lease's {lease[0]}")
                 del self._leases[meta["lease"]]
+                made = time.monotonic() - (lease[3] - self.lease_life)      # since the lease was granted
+                self._gen_s = made if self._gen_s is None else 0.8 * self._gen_s + 0.2 * made
                 self.put(batch)
                 return {"queued": len(self._queue)}
         except ValueError:
@@ -407,12 +440,14 @@ class TrainerServer:
     # ---- the event loop: a connection sends one request, gets one answer, and is closed ----
 
     async def _handle(self, reader, writer):
-        self._conns[writer] = asyncio.current_task()
-        if len(self._conns) > MAX_CONNS:            # the oldest goes: an honest request takes milliseconds
-            self._conns[next(iter(self._conns))].cancel()
+        # a connection is anyone's until it shows the token: those are capped among themselves (the oldest
+        # goes; an honest one shows it in milliseconds): a flood never cuts a worker's long-poll or download
+        self._conns[writer] = self._unknown[writer] = asyncio.current_task()
+        if len(self._unknown) > MAX_CONNS:
+            self._unknown.pop(next(iter(self._unknown))).cancel()
         extra, ctype = {}, "application/json"
         try:
-            out = await asyncio.wait_for(self._request(reader), self.timeout)
+            out = await asyncio.wait_for(self._request(reader, writer), self.timeout)
             status, (body, extra) = 200, out if isinstance(out, tuple) else (json.dumps(out).encode(), {})
             ctype = "application/octet-stream" if isinstance(out, tuple) else ctype
         except Rejected as e:
@@ -429,8 +464,7 @@ class TrainerServer:
                                                       "Connection": "close", **extra}.items())
         try:
             writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n{head}\r\n".encode())
-            writer.write(body)                      # not concatenated: weights can be hundreds of MB
-            await asyncio.wait_for(writer.drain(), self.timeout)
+            await self._send(writer, body)          # not concatenated: weights can be GBs
             # FIN after the answer, then discard what the client still sends for LINGER_S: closing with unread
             # input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20
             writer.write_eof()
@@ -439,13 +473,31 @@ class TrainerServer:
             pass
         self._close(writer)
 
-    async def _request(self, reader):
-        """Headers, then the body, then the endpoint. The token, path, method and Content-Length are checked
-        on the headers, before a byte of the body is read."""
+    async def _send(self, writer, data: bytes):
+        """In CHUNKs: the transport copied a whole blob it could not send at once. A client is cut only once
+        it took no byte for `timeout` s: a 2 GB blob over a slow link arrives, however long it takes."""
+        view = memoryview(data)
+        for i in range(0, len(view), CHUNK):
+            writer.write(view[i:i + CHUNK])
+            while True:
+                left = writer.transport.get_write_buffer_size()
+                try:
+                    await asyncio.wait_for(writer.drain(), self.timeout)
+                    break
+                except asyncio.TimeoutError:
+                    if writer.transport.get_write_buffer_size() >= left:
+                        raise                       # stalled: not a byte taken in `timeout` s
+
+    async def _request(self, reader, writer):
+        """Headers within HEAD_S s, then the body, then the endpoint. The token, path, method and
+        Content-Length are checked on the headers, before a byte of the body is read."""
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_S)
             endpoint, query, n = self._head(head[:-4].decode("latin-1"))
+            self._unknown.pop(writer, None)         # it showed the token
             body = await reader.readexactly(n)
+        except asyncio.TimeoutError:                # (asyncio.timeout() would save a task, but needs 3.11)
+            raise Rejected(408, f"request line + headers not received in {HEAD_S:g} s") from None
         except asyncio.LimitOverrunError:
             raise Rejected(431, f"request line + headers over {MAX_HEAD} bytes") from None
         except asyncio.IncompleteReadError as e:
@@ -453,6 +505,8 @@ class TrainerServer:
         until = None
         while True:
             room = self._room                       # set by publish() or an expiry: a slot may have opened
+            if self._finished:
+                raise Rejected(410, self._finished)
             try:
                 return endpoint(query, body)
             except _Wait as e:                      # a lease waits for room: answered the moment there is some
@@ -502,6 +556,7 @@ class TrainerClient:
     def __init__(self, url: str, token: str, timeout: float = 60.0, patience: float = 15.0, backoff: float = 0.5):
         self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
         self.auth, self.retry_after, self.renew_s = {"Authorization": f"Bearer {token}"}, 0.0, 1.0
+        self.finished = ""                          # the trainer's 410, heard by the heartbeat: run over
         self.worker = secrets.token_hex(8)          # this process, for the trainer's cap on leases per worker
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no http_proxy sees the token
 
@@ -518,14 +573,16 @@ class TrainerClient:
                 extra = json.loads(e.read()) if e.headers.get_content_type() == "application/json" else {}
                 raise Rejected(e.code, str(extra.pop("error", e.reason)), **extra) from None
             except (urllib.error.URLError, OSError, HTTPException) as e:
+                if self.finished:                   # closed after saying so: no patience to wait out
+                    raise Rejected(410, self.finished) from None
                 err = e
         raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({err}): the trainer is gone")
 
     def version(self) -> int:
         return json.loads(self._call("GET", "/version"))["version"]
 
-    def info(self) -> dict:
-        return json.loads(self._call("GET", "/info"))
+    def info(self, patience: float | None = None) -> dict:
+        return json.loads(self._call("GET", "/info", patience=patience))
 
     def check(self, fingerprint: dict, names: dict) -> dict:
         """Refuse to work for a trainer with other task/split settings or weights (names: describe(params))."""
@@ -567,8 +624,9 @@ class TrainerClient:
             while not done.wait(self.renew_s):
                 try:
                     self._call("POST", f"/renew?lease={lease_id}", b"", patience=0)
-                except Rejected:
-                    return                          # expired or useless now: the submit will say so
+                except Rejected as e:               # expired or useless now: the submit will say so
+                    self.finished = e.body["error"] if e.status == 410 else self.finished
+                    return
                 except TrainerGone:
                     pass                            # the main thread finds out on its next call
         threading.Thread(target=beat, daemon=True, name="lease-heartbeat").start()

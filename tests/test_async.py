@@ -3,6 +3,7 @@ hostile traffic, and the exact-old-log-probs machinery."""
 import contextlib
 import csv
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from serve import Rejected, Snapshots, TrainerClient, TrainerServer, batch_to_bytes
+from core import Batch
+from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_to_bytes
 from test_dist import free_port
 from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
@@ -209,8 +211,10 @@ def test_trainer_killed_and_resumed_keeps_workers_and_never_mixes_runs(tmp_path)
         second = start(*args, "--steps", 30, "--resume", tmp_path / "r.pt", log=tmp_path / "t2.log")
         version = wait_for_port(port)                                              # checkpoint step + 1: reused
         assert version >= 7 and version % 3 == 1 and client.info()["run"] != run1
+        run2 = client.info()["run"]
         assert wait(second, 120) == 0, (tmp_path / "t2.log").read_text()[-3000:]
-        assert all(w.poll() is None for w in ws)                                   # still working, not restarted
+        assert [wait(w, 30) for w in ws] == [0, 0]      # the same processes, told by the second run it finished
+        assert all(f"run {run2} finished" in (tmp_path / f"worker{i}.log").read_text() for i in range(2))
     finally:
         for w in ws + [first, second]:
             w and w.kill()
@@ -229,7 +233,7 @@ def test_a_worker_reloads_when_the_run_changes_even_at_the_same_version(monkeypa
     port = free_port()
     cfg = Config(role="rollout", trainer_url=f"http://127.0.0.1:{port}", n_prompts=4, trainer_patience=2)
     task, policies = make_task(cfg), [MLPPolicy(4, 2, cfg.hidden) for _ in range(2)]     # W_a, W_b
-    worker = threading.Thread(target=rollout_worker, args=(cfg, task))
+    worker = threading.Thread(target=rollout_worker, args=(cfg, task, "1 thread"))
     for i, policy in enumerate(policies):
         server = TrainerServer(TOKEN, fingerprint(cfg, 4), 2, host="127.0.0.1", port=port,
                                limits=batch_limits(cfg, task, policy, 4)).start()
@@ -269,7 +273,7 @@ def test_a_held_and_hostile_trainer_still_trains_to_its_last_step(tmp_path):
     auth, statuses, ws = {"Authorization": f"Bearer {TOKEN}"}, [], []
 
     def trickle():
-        while not stop.is_set():                        # cut at the trainer's 30 s deadline: start over
+        while not stop.is_set():                        # cut at the trainer's 5 s header deadline: start over
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
                 s.sendall(b"POST /batch HTTP/1.1\r\n")
                 while not stop.wait(1.0):
@@ -358,6 +362,63 @@ def test_worker_refuses_a_trainer_with_other_settings(tmp_path):
         trainer.kill()
 
 
+def test_a_trainer_left_without_batches_saves_and_says_how_to_resume(tmp_path):
+    """kill -9 the only worker: after --batch-timeout the trainer saves, prints the command that resumes it, and
+    exits 1 with one error line (it was a TimeoutError traceback and no checkpoint)."""
+    port = free_port()
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "t", "--steps", 1000,
+                    "--solve-at", 0, "--eval-every", 0, "--batch-timeout", 3, "--ckpt-every", 0, log=tmp_path / "t.log")
+    w = workers(port, 1)[0]
+    try:
+        poll_rows(tmp_path / "t.csv", lambda r: len(r) >= 3)
+        w.send_signal(signal.SIGKILL)
+        assert wait(trainer, 60) == 1
+    finally:
+        w.kill()
+        trainer.kill()
+    log = (tmp_path / "t.log").read_text()
+    assert "Traceback" not in log and "error: no worker batch within --batch-timeout 3 s: start workers" in log
+    step = torch.load(tmp_path / "t.pt")["step"]
+    assert step == int(rows(tmp_path / "t.csv")[-1]["step"]) >= 3
+    assert log.rstrip().splitlines()[-2] == f"    python train.py --resume {tmp_path / 't.pt'}", log[-500:]
+
+
+def test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line(tmp_path):
+    """Started before its trainer, a worker says so at once; when the trainer's run ends it hears so (410) and exits
+    0 within seconds (not after --trainer-patience, 120 s); with no trainer, or the wrong token, one line and exit 1."""
+    port = free_port()
+    early = workers(port, 1, tmp=tmp_path, patience=120)[0]
+    time.sleep(3)
+    assert "worker: waiting for the trainer at http://127.0.0.1:" in (tmp_path / "worker0.log").read_text()
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "f", "--steps", 5,
+                    "--solve-at", 0, "--eval-every", 0, log=tmp_path / "f.log")
+    try:
+        assert wait(trainer, 120) == 0, (tmp_path / "f.log").read_text()[-3000:]
+        ended = time.time()
+        assert wait(early, 60) == 0 and time.time() - ended < 20
+    finally:
+        early.kill()
+        trainer.kill()
+    assert re.search(r"worker: run \w+ finished.*; exiting after [1-9]\d* batches", (tmp_path / "worker0.log").read_text())
+    alone = subprocess.run([sys.executable, "train.py", "--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}",
+                            "--trainer-patience", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 1 and "waiting for the trainer" in alone.stdout and alone.stderr.splitlines() == [
+        f"error: no trainer answered at http://127.0.0.1:{port} within --trainer-patience 2 s: start it first "
+        f"(--role trainer), or check the host and port it logged"]
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "g", "--steps", 2,
+                    "--batch-timeout", 30, "--eval-every", 0)
+    try:
+        wait_for_port(port)
+        wrong = subprocess.run([sys.executable, "train.py", "--role", "rollout", "--trainer-url",
+                                f"http://127.0.0.1:{port}"], cwd=ROOT, env={**ENV, "NANORL_TOKEN": "another"},
+                               capture_output=True, text=True, timeout=60)
+    finally:
+        trainer.kill()
+    assert wrong.returncode == 1 and wrong.stderr.splitlines() == [
+        f"error: the trainer at http://127.0.0.1:{port} refused this worker: wrong token: NANORL_TOKEN differs "
+        f"between trainer and worker"]
+
+
 def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
     port, master = free_port(), free_port()
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(master),
@@ -378,4 +439,168 @@ def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
     t0 = time.time()
     alone = subprocess.run([*map(str, run), "--steps", "2", "--out", str(tmp_path / "alone")], cwd=ROOT, env=ENV,
                            capture_output=True, text=True, timeout=120)
-    assert alone.returncode != 0 and "TimeoutError" in alone.stdout + alone.stderr and time.time() - t0 < 60
+    assert alone.returncode == 1 and time.time() - t0 < 60 and "raise TimeoutError" not in alone.stderr
+    assert [x for x in alone.stderr.splitlines() if x.startswith("error: ")] == [   # rank 0's line, once
+        "error: no worker batch within --batch-timeout 5 s: start workers (--role rollout --trainer-url "
+        "http://THIS_HOST:PORT), or raise --batch-timeout"], alone.stderr
+    assert f"torchrun --nproc_per_node=2 train.py --resume {tmp_path / 'alone.pt'}" in alone.stdout
+    assert torch.load(tmp_path / "alone.pt")["step"] == 0                  # saved: nothing trained, nothing lost
+
+
+def accepted_shape_batch(limits: dict, version: int, seed: int) -> Batch:
+    """A control batch of random values anywhere the trainer's checks accept (its /info limits): any padded T,
+    row lengths and truncation, observations and log-probs of any finite scale, rewards spread with signs over
+    the masked steps, totalling within range (or, by rounding, just outside); now and then no final_states."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda options: options[int(torch.randint(len(options), (), generator=g))]
+    G, P, L, A, O = (limits[k] for k in ("group_size", "n_prompts", "max_len", "n_actions", "obs_dim"))
+    N, T, scales, (lo, hi) = G * P, pick([1, 2, 17, L]), [1e-30, 1.0, 1e3, 1e30], limits["reward"]
+    mask = (torch.arange(T) < torch.randint(1, T + 1, (N, 1), generator=g)).float()      # [N, T]
+    share, noise = torch.rand(N, T, generator=g) * mask, torch.randn(N, T, generator=g) * mask
+    noise -= noise.sum(1, keepdim=True) / mask.sum(1, keepdim=True) * mask                # sums to ~0 per row
+    total = lo + (hi - lo) * torch.rand(N, 1, generator=g)                                # [N, 1]
+    return Batch(states=torch.randn(N, T, O, generator=g) * pick(scales),
+                 actions=torch.randint(A, (N, T), generator=g),
+                 logp=torch.randn(N, T, generator=g) * pick(scales), mask=mask,
+                 rewards=total * share / share.sum(1, keepdim=True) + pick([0.0, 1.0, 1e3]) * noise,
+                 truncated=torch.rand(N, generator=g) > 0.5, group_id=torch.arange(P).repeat_interleave(G),
+                 final_states=pick([None, torch.randn(N, O, generator=g) * pick(scales)]), group_size=G,
+                 version=version)
+
+
+def fuzz_until_done(port: int, trainer, first_seed: int) -> list:
+    """Lease, submit accepted-shape batches until one is taken (a refused one leaves the lease held), repeat
+    until the trainer is done -> the statuses: 200 (queued) or the refusals' codes."""
+    client, statuses, seed = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0), [], first_seed
+    limits = client.info()["limits"]
+    with contextlib.suppress(TrainerGone):
+        while trainer.poll() is None:
+            try:
+                lease = client.lease(wait=5)
+            except Rejected as e:                       # 410: the trainer said it finished
+                assert e.status == 410, e
+                break
+            if lease is None:
+                time.sleep(client.retry_after)
+                continue
+            run, version, lease_id = lease
+            status = 0
+            while status != 200 and status in (0, 400):
+                seed += 1
+                try:
+                    client.submit(accepted_shape_batch(limits, version, seed), lease_id, run)
+                    status = 200
+                except Rejected as e:
+                    status = e.status
+                statuses.append(status)
+    return [s for s in statuses if s != 410]            # 410: the trainer finished, the batch was not needed
+
+
+def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_path):
+    """A live CartPole trainer per algorithm gets batches of random values anywhere the checks accept, some
+    without final_states (PPO's critic bootstraps from them): each is refused with a 400 or trained on, and
+    every trainer ends its steps with exit 0. Whatever the checks let in, the estimator and update can use."""
+    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"]
+    ports = [free_port() for _ in algos]
+    trainers = [start("--role", "trainer", "--serve-port", port, "--out", tmp_path / algo, "--algo", algo,
+                      "--steps", 6, "--n-prompts", 2, "--group-size", 2, "--eval-every", 0, "--solve-at", 0,
+                      log=tmp_path / f"{algo}.log") for algo, port in zip(algos, ports)]   # start up together
+    statuses = []
+    try:
+        for i, (algo, port, trainer) in enumerate(zip(algos, ports, trainers)):
+            wait_for_port(port)
+            statuses += fuzz_until_done(port, trainer, 1000 * i)
+            assert wait(trainer, 60) == 0, (tmp_path / f"{algo}.log").read_text()[-3000:]
+            assert rows(tmp_path / f"{algo}.csv")[-1]["step"] == "6"
+    finally:
+        for trainer in trainers:
+            trainer.kill()
+    print(f"\n{statuses.count(200)} batches queued, {statuses.count(400)} refused")
+    assert set(statuses) == {200, 400} and statuses.count(200) >= 5 * 6, statuses
+
+
+def flood(port: int, per_s: int, seconds: float, threads: int = 1, hold: float = 1.0) -> float:
+    """Open per_s connections a second for `seconds` s from `threads` threads, each sending half a request
+    without a token, held ~`hold` s and closed -> connections a second actually opened."""
+    opened, tried, end = [0] * threads, [0] * threads, time.monotonic() + seconds
+
+    def one(i):
+        held, t0 = [], time.monotonic()
+        while time.monotonic() < end:
+            now = time.monotonic()
+            while held and held[0][0] < now:
+                held.pop(0)[1].close()
+            for _ in range(min(int((now - t0) * per_s / threads) - tried[i], per_s // threads // 20 + 1)):
+                tried[i] += 1
+                with contextlib.suppress(OSError):
+                    s = socket.create_connection(("127.0.0.1", port), timeout=1)
+                    s.sendall(b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\n")     # the rest never comes
+                    held.append((now + hold, s))
+                    opened[i] += 1
+            time.sleep(0.002)
+        for _, s in held:
+            s.close()
+    pool = [threading.Thread(target=one, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    return sum(opened) / seconds
+
+
+def steps_per_s(csv_path, seconds: float) -> float:
+    n0, t0 = len(rows(csv_path)), time.monotonic()
+    time.sleep(seconds)
+    return (len(rows(csv_path)) - n0) / (time.monotonic() - t0)
+
+
+def flood_figures(tmp_path, floods: list) -> list:
+    """A live CartPole trainer with one honest worker: its steps/s alone for 10 s, then under each flood
+    (per_s, threads) of 20 s -> [steps/s alone, (connections/s reached, steps/s), ...]. Under each flood, a
+    request that showed the token and sends its body slowly still gets its answer: it is never evicted."""
+    raise_fd_limit(8192)
+    port, csv_path = free_port(), tmp_path / "f.csv"
+    # --lr 1e-9: the policy, so an episode's length and a step's cost, stays put for the whole measurement
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "f", "--steps", 10 ** 6,
+                    "--lr", 1e-9, "--solve-at", 0, "--eval-every", 0, log=tmp_path / "trainer.log")
+    worker = workers(port, 1, tmp=tmp_path)[0]
+    auth = f"POST /batch HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 20\r\n\r\n".encode()
+    try:
+        wait_for_port(port)
+        poll_rows(csv_path, lambda r: len(r) >= 10)
+        figures = [steps_per_s(csv_path, 10)]
+        for per_s, threads in floods:
+            slow, reached = socket.create_connection(("127.0.0.1", port), timeout=10), []
+            slow.sendall(auth + b"0123456789")                                       # half its body
+            flooder = threading.Thread(target=lambda: reached.append(flood(port, per_s, 20, threads)))
+            flooder.start()
+            figures.append(steps_per_s(csv_path, 19))
+            flooder.join()
+            slow.sendall(b"0123456789")                                             # the rest, 20 s later
+            answer = slow.makefile("rb").readline()
+            assert answer.startswith(b"HTTP/1.1 400 "), f"a request with the token was cut: {answer!r}"
+            slow.close()
+            figures[-1] = (reached[0], figures[-1])
+            log = (tmp_path / "trainer.log").read_text()
+            assert worker.poll() is None and trainer.poll() is None, log[-3000:]
+    finally:
+        for p in (worker, trainer):
+            p.kill()
+    return figures
+
+
+def test_a_connection_flood_keeps_the_trainer_training(tmp_path):
+    """300 connections a second without a token, each half a request held ~1 s, for 20 s: they are capped
+    among themselves, never at the cost of a connection that showed the token, so the worker keeps its
+    long-polls and downloads and the trainer keeps at least 40% of its step rate."""
+    alone, (reached, flooded) = flood_figures(tmp_path, [(300, 1)])
+    print(f"\nsteps/s: {alone:.1f} alone, {flooded:.1f} under {reached:.0f} connections/s without a token")
+    assert reached >= 200 and flooded >= 0.4 * alone
+
+
+@pytest.mark.skipif(not os.environ.get("NANORL_BENCH_FLOOD"), reason="70 s: NANORL_BENCH_FLOOD=1 measures it")
+def test_bench_flood_of_300_and_2000_connections_per_s(tmp_path):
+    """Figures, not a pass/fail: 8 threads, as one reached ~1,600 connections/s at most here."""
+    alone, *floods = flood_figures(tmp_path, [(300, 1), (2000, 8)])
+    under = "; ".join(f"{steps:.1f} under {rate:.0f} connections/s" for rate, steps in floods)
+    print(f"\nsteps/s: {alone:.1f} alone; {under}")

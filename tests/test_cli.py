@@ -1,5 +1,6 @@
 """A new user's first hour, as real processes: --help, what a run prints, Ctrl-C and --resume, run names
 that never overwrite, one-line errors instead of tracebacks, and the plot command."""
+import contextlib
 import csv
 import os
 import signal
@@ -41,8 +42,9 @@ def test_a_run_says_what_it_trains_and_where_its_files_go(tmp_path):
     p = run(TRAIN, "--steps", 3, "--solve-at", 0, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert "reinforce on cartpole" in lines[0]
+    assert "reinforce on cartpole" in lines[0] and "1 thread (control task: 1 is fastest)" in lines[0]
     assert "runs/cartpole_reinforce.csv" in lines[1] and "runs/cartpole_reinforce.pt" in lines[1]
+    assert lines[2].startswith("before training (step 0): eval_return ")   # the starting point, on screen too
     steps = [x for x in lines if x.startswith("step ")]
     assert [x.split()[1] for x in steps] == ["1/3", "2/3", "3/3"]
     assert all(len(x) <= 100 and "elapsed, eta" in x and "s/step" in x for x in steps), steps
@@ -90,7 +92,84 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weigh
     # resuming the finished run says so, instead of doing nothing
     again = run(TRAIN, "--resume", "part.pt", cwd=tmp_path)
     assert again.returncode == 1 and "that run is finished: it is at step 40 of --steps 40" in again.stderr
-    assert "--steps above 40" in again.stderr
+    assert "--steps above 40" in again.stderr and "writing" not in again.stdout   # no file announced, then an error
+
+
+def children(pid):
+    """The processes whose parent is pid (torchrun's ranks), from /proc."""
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            found += [int(p)] if int(f.read().rsplit(")", 1)[1].split()[1]) == pid else []
+    return found
+
+
+def torchrun(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                             str(free_port()), TRAIN, *map(str, args)], env=ENV, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "full"
+    assert torchrun(*DP_ARGS, "--eval-every", 0, "--out", out).wait(120) == 0
+    return torch.load(f"{out}.pt")
+
+
+DP_ARGS = ["--steps", 60, "--n-prompts", 16, "--solve-at", 0]
+
+
+@pytest.mark.parametrize("target", ["one rank", "every process"])
+@pytest.mark.parametrize("during", ["step", "evaluation"])
+def test_ctrl_c_under_torchrun_stops_every_rank_together_and_resumes_exactly(tmp_path, uninterrupted, target, during):
+    """SIGINT to one of 2 gloo ranks, or to torchrun and both ranks (a terminal's Ctrl-C; sky cancel sends
+    SIGTERM alike), while they train or while they evaluate (64 episodes each step): the ranks agree at the
+    step's end, rank 0 saves, and --resume reaches the weights of an uninterrupted run bit for bit."""
+    evals = ["--eval-every", 1, "--eval-episodes", 64] if during == "evaluation" else ["--eval-every", 0]
+    p = torchrun(*DP_ARGS, *evals, "--out", "part", cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 start_new_session=True)
+    deadline = time.time() + 60
+    while not (os.path.exists(tmp_path / "part.csv") and len(rows(tmp_path / "part.csv")) >= 4):
+        assert time.time() < deadline and p.poll() is None, "the run never got going"
+        time.sleep(0.02)
+    if target == "one rank":
+        os.kill(max(children(p.pid)), signal.SIGINT)
+    else:
+        os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert "torchrun --nproc_per_node=2" in out and "Traceback (most recent call last)" not in out, out + err
+    done = torch.load(tmp_path / "part.pt")["step"]
+    assert 3 <= done < 60
+    assert torchrun("--resume", "part.pt", cwd=tmp_path, stdout=subprocess.DEVNULL).wait(120) == 0
+    part = torch.load(tmp_path / "part.pt")
+    assert part["step"] == uninterrupted["step"] == 60
+    assert all(torch.equal(part["policy"][k], uninterrupted["policy"][k]) for k in part["policy"])
+
+
+def test_llm_processes_share_the_cores_and_control_takes_one_thread(tmp_path, monkeypatch):
+    """Three processes on two cores with torch's default threads each ran 2-13x slower: an LLM process takes
+    its share of the cores (recounted as NanoRL processes come and go), a control task 1 thread (the fastest
+    for its 64-wide MLP), and --threads or OMP_NUM_THREADS override both. Other processes running a
+    train.py (here: a stand-in that sleeps) count as NanoRL processes."""
+    from train import nanorl_processes, share_cores
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    (tmp_path / "train.py").write_text("import time\ntime.sleep(60)\n")
+    others = [subprocess.Popen([sys.executable, str(tmp_path / "train.py")]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert nanorl_processes() == 2                  # pytest itself runs no train.py
+        llm = Config(task="maxdigit", model="m", algo="grpo", group_size=2)
+        assert share_cores(llm) == f"{max(1, cores // 2)} thread{'s' * (cores >= 4)} ({cores} cores / 2 NanoRL " \
+                                    f"processes here)" and torch.get_num_threads() == max(1, cores // 2)
+        assert share_cores(Config()) == "1 thread (control task: 1 is fastest)" and torch.get_num_threads() == 1
+        assert share_cores(Config(threads=3)) == "3 threads (--threads)" and torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert share_cores(llm) == "2 threads (OMP_NUM_THREADS)"
+    finally:
+        for p in others:
+            p.kill()
+        torch.set_num_threads(before)
 
 
 def one_line_error(p, expected):
@@ -108,8 +187,26 @@ def test_bad_files_give_one_line_errors(tmp_path):
     assert "weights_only" not in p.stderr                             # torch's advice would be unsafe here
     torch.save({"some": "other file"}, tmp_path / "other.pt")
     one_line_error(run(TRAIN, "--resume", "other.pt", cwd=tmp_path), "not saved by NanoRL")
-    one_line_error(run(TRAIN, "--task", "maxdigit", "--algo", "grpo", "--group-size", 2, "--model", "no/such/folder",
-                       cwd=tmp_path), "--model no/such/folder: no local folder")
+    for offline in ("0", "1"):                                         # HF_HUB_OFFLINE=1: set on many clusters
+        one_line_error(run(TRAIN, "--task", "maxdigit", "--algo", "grpo", "--group-size", 2, "--model",
+                           "no/such/folder", cwd=tmp_path, env={**ENV, "HF_HUB_OFFLINE": offline}),
+                       "--model no/such/folder: no local folder")
+
+
+@pytest.mark.parametrize("typo,fix", [("--confg", "--config"), ("--group_size", "--group-size"),
+                                      ("--setps", "--steps")])
+def test_a_flag_typo_is_one_line_naming_the_flag_meant(tmp_path, typo, fix):
+    one_line_error(run(TRAIN, typo, "2", cwd=tmp_path), f"error: unknown flag {typo}: did you mean {fix}?")
+    one_line_error(run(TRAIN, "--steps", "ten", cwd=tmp_path), "argument --steps: invalid int value: 'ten'")
+
+
+def test_resume_may_change_what_leaves_the_maths_alone_and_nothing_else(tmp_path):
+    assert run(TRAIN, "--steps", 2, "--n-prompts", 4, "--solve-at", 0, "--out", "r", cwd=tmp_path).returncode == 0
+    one_line_error(run(TRAIN, "--resume", "r.pt", "--steps", 4, "--lr", 0.1, cwd=tmp_path),
+                   "these differ (checkpoint, now): --lr 0.01 vs 0.1")
+    p = run(TRAIN, "--resume", "r.pt", "--steps", 3, "--micro-batch", 2, "--threads", 1, "--serve-port", 0,
+            "--batch-timeout", 9, "--lease-timeout", 2, "--grad-ckpt", "--gen-batch", 8, cwd=tmp_path)
+    assert p.returncode == 0 and "resuming r.pt after step 2" in p.stdout, p.stderr
 
 
 def test_torchrun_prints_a_user_error_once_and_names_it_in_its_summary(tmp_path):

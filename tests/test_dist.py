@@ -66,6 +66,7 @@ def test_torchrun_two_ranks_end_to_end(tmp_path):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("step 3/3 ") == 1                                # rank 0 logs, once per step
+    assert p.stdout.count("torch.distributed: gloo, the policy on the CPU (an MLP policy)") == 1   # rank 0, once
     assert len((tmp_path / "dp.csv").read_text().splitlines()) == 1 + 1 + 3       # header, step-0 eval, 3 steps
 
 
@@ -188,3 +189,38 @@ def test_the_process_group_outlasts_the_batch_timeout(monkeypatch):
     with pytest.raises(KeyError, match="stop here"):
         train.train(Config(batch_timeout=900.0))
     assert seen == {"backend": "gloo", "timeout": 1500.0}
+
+
+def test_cuda_only_for_an_llm_with_a_gpu_per_local_rank():
+    from utils import device_for
+    assert device_for(True, 1, 1) == "cuda" and device_for(True, 8, 8) == "cuda" and device_for(True, 8, 2) == "cuda"
+    assert device_for(True, 1, 2) == "cpu"              # 2 ranks, 1 GPU: set_device(1) was "invalid device ordinal"
+    assert device_for(True, 0, 1) == "cpu"              # no GPU
+    assert device_for(False, 8, 1) == "cpu"             # an MLP control policy always runs on the CPU
+
+
+@pytest.mark.parametrize("gpus,llm,backend,gpu_set", [(1, True, "gloo", None), (2, True, "cpu:gloo,cuda:nccl", 1),
+                                                      (2, False, "gloo", None)])
+def test_torchrun_with_more_ranks_than_gpus_falls_back_to_gloo_on_cpu(monkeypatch, capsys, gpus, llm, backend,
+                                                                       gpu_set):
+    """Rank 1 of `torchrun --nproc_per_node=2` on a machine with `gpus` GPUs. Test double: the GPU count and
+    set_device are faked (no GPU here); init_process_group records its backend and stops train()."""
+    import train
+    import utils
+    seen = {"gpu": None}
+
+    def fake_init(backend, timeout):
+        seen["backend"] = backend
+        raise KeyError("stop here")
+
+    monkeypatch.setattr(utils.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(utils.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.update(gpu=getattr(d, "index", d)))
+    for k, v in dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", RANK="1", LOCAL_RANK="1").items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(KeyError, match="stop here"):
+        train.train(Config(task="maxdigit" if llm else "cartpole", model="unused"))
+    assert seen == {"backend": backend, "gpu": gpu_set}
+    assert capsys.readouterr().out == ""                # rank 1 says nothing; rank 0 says it once (torchrun test)

@@ -341,3 +341,64 @@ def test_training_mode_switches_on_no_dropout(tiny, tmp_path):
             scored = pol.logprobs(batch)[0]
         assert torch.equal(pol.logprobs(batch)[0].detach(), scored)
         assert not pol.model.training                                    # back in eval mode after the forward
+
+
+def test_one_token_prompts_with_grad_ckpt_give_the_plain_logprobs_and_gradient(tiny):
+    """Every prompt one token: no shared prefix, so no prefix cache. The completions' forward used to ask for
+    use_cache=True anyway: a model that honours it makes its own cache, which the checkpointed replay writes
+    twice (transformers 5.16-5.25's Llama overrides it with a warning: the numbers matched already)."""
+    pols = [policy(tiny, grad_ckpt=ckpt) for ckpt in (False, True)]
+    prompts = [pols[0].encode(p) for p in ("0", "5", "7")]
+    pols[0].eos = [1, 5]
+    torch.manual_seed(4)
+    batch = as_batch(prompts, pols[0].act(prompts, 2), 2)
+    asked, key = [], pols[0].cache_key                                     # (use_cache, a cache passed) per forward
+    for pol in pols:
+        pol.model.register_forward_pre_hook(lambda m, args, kw: asked.append(
+            (kw.get("use_cache"), kw.get(key) is not None)), with_kwargs=True)
+    assert batch.mask[:, 0].sum() == 0 and batch.mask[:, 1].all()         # 1-token prompts, completions after
+    w = torch.randn(batch.mask.shape)
+    plain, ckpt = (p.logprobs(batch)[0] for p in pols)
+    assert (plain - ckpt).abs().max() < 1e-6
+    a, b = (grads_of(p, lambda: p.logprobs(batch)[0], w) for p in pols)
+    assert a.keys() == b.keys() and any(g.abs().sum() > 0 for g in a.values())
+    for n in a:
+        assert (a[n] - b[n]).abs().max() <= 1e-5 * a[n].abs().max(), (n, (a[n] - b[n]).abs().max())
+    assert asked and all(cache for use_cache, cache in asked if use_cache), asked   # a cache whenever one is asked
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "opt"])
+def test_no_dropout_zeroes_layerdrop_and_router_jitter_too(arch):
+    """Mixtral's router_jitter_noise scales hidden states by uniform noise and OPT's layerdrop skips whole layers,
+    both in training mode only: floats the config declares, not modules named dropout."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from model import _no_dropout
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4)
+    cfg = (AutoConfig.for_model("mixtral", **shape, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+                                router_jitter_noise=0.5) if arch == "mixtral" else
+           AutoConfig.for_model("opt", **shape, ffn_dim=64, word_embed_proj_dim=32, layerdrop=0.5, dropout=0.0,
+                                attention_dropout=0.0, activation_dropout=0.0))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    x = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10]])
+    assert not all(torch.equal(model(input_ids=x).logits, model(input_ids=x).logits) for _ in range(5))
+    _no_dropout(model)
+    assert torch.equal(model(input_ids=x).logits, model(input_ids=x).logits)
+    assert model.config.to_dict()["router_jitter_noise" if arch == "mixtral" else "layerdrop"] == 0.0
+
+
+@pytest.mark.parametrize("nan_from_call", [1, 3])
+def test_non_finite_logits_fail_the_batch_and_name_the_step(tiny, nan_from_call):
+    """fp16 overflow makes NaN logits, which the inverse-CDF sampler turned into the last token id: the worker
+    then submitted garbage and looped on 400s. The final norm's output is made NaN from its nan_from_call-th
+    call on: call 1 is the prefill (decode step 0's logits), call k gives step k - 1's."""
+    pol = policy(tiny, max_new_tokens=6)
+    pol.eos = [99]                                                         # never drawn: every row runs 6 steps
+    calls = [0]
+
+    def poison(module, args, out):
+        calls[0] += 1
+        return out * float("nan") if calls[0] >= nan_from_call else out
+    pol.model.model.norm.register_forward_hook(poison)
+    with pytest.raises(ValueError, match=rf"non-finite logits at decode step {nan_from_call - 1} .*--dtype bfloat16"):
+        pol.act([pol.encode("1 2="), pol.encode("3=")], 2)

@@ -104,12 +104,27 @@ def test_publish_version_weights_and_the_cpu_alias(serve):
 
 def test_adapter_round_trip(serve, tmp_path):
     server, client = serve()
-    files = {"adapter_config.json": b'{"r": 8}', "empty": b"", "adapter_model.safetensors": tensors_to_bytes({"a": torch.ones(2)})}
-    server.publish(2, {"w": torch.zeros(3)}, adapter_files=files)
+    files = {"adapter_config.json": b'{"r": 8}',
+             "adapter_model.safetensors": tensors_to_bytes({"a": torch.ones(2)})}
+    readme = {"README.md": b"# model card"}                         # PEFT's save_pretrained writes it too
+    server.publish(2, {"w": torch.zeros(3)}, adapter_files={**files, **readme})
     out = client.adapter(server.run, 2, str(tmp_path / "v2"))
-    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == files
-    with pytest.raises(ValueError, match="plain file name"):
-        server.publish(3, {"w": torch.zeros(3)}, adapter_files={"../evil": b""})
+    assert {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out)} == files   # no README.md
+    pickled = {"adapter_config.json": b"{}", "adapter_model.bin": b"x"}
+    with pytest.raises(ValueError, match="adapter_model.safetensors"):                    # never sent
+        server.publish(3, {"w": torch.zeros(3)}, adapter_files=pickled)
+
+
+def test_an_adapter_with_any_other_file_is_refused_and_nothing_written(tmp_path):
+    """vLLM would unpickle an adapter_model.bin: a worker writes exactly the two files vLLM needs, or none."""
+    good = {"adapter_config.json": b"{}", "adapter_model.safetensors": b"safetensors bytes"}
+    for files in ({**good, "adapter_model.bin": b"a pickle"}, {**good, "README.md": b"#"},
+                  {"adapter_config.json": b"{}", "adapter_model.bin": b"x"}, {"adapter_config.json": b"{}"}):
+        blob = tensors_to_bytes({n: torch.frombuffer(bytearray(d), dtype=torch.uint8)
+                                 for n, d in files.items()})
+        with pytest.raises(ValueError, match="refusing adapter files"):
+            unpack_adapter(blob, str(tmp_path / "v"))
+        assert not os.path.exists(tmp_path / "v")
 
 
 def test_staleness_arithmetic_by_hand(serve):
@@ -135,12 +150,13 @@ def test_queue_capacity_evicts_the_oldest(serve):
     assert same_batch(got[0], make_batch(seed=1)) and same_batch(got[1], make_batch(seed=2))
 
 
-def test_snapshots_keep_exactly_the_last_k_plus_2_versions_and_never_alias():
+def test_snapshots_keep_exactly_the_last_k_plus_1_versions_and_never_alias():
+    # step s trains on a batch of version s - k .. s; version s + 1 is added only after that step
     snaps, live = Snapshots(max_staleness=2), torch.zeros(3)
     for v in range(1, 8):
         live.fill_(v)                                               # the optimizer steps in place
         snaps.add(v, {"w": live})
-    assert [v for v in range(1, 8) if snaps.get(v) is not None] == [4, 5, 6, 7]   # k + 2 = 4
+    assert [v for v in range(1, 8) if snaps.get(v) is not None] == [5, 6, 7]   # k + 1 = 3
     assert snaps.get(5)["w"].tolist() == [5.0, 5.0, 5.0]
 
 
@@ -188,6 +204,25 @@ def test_lease_refused_when_the_batch_would_arrive_stale(serve):
     assert client.lease()[1] == 2 and client.lease() is None
 
 
+def test_a_lease_goes_only_as_far_ahead_as_its_batch_takes_to_make(serve):
+    """k = 2, one batch per step. room = ahead + 1 - taken, ahead = ceil((gen_s - post_s) / step_s) <= k, with
+    the server's averages gen_s (lease to batch), step_s (between publishes) and post_s (publish to the
+    trainer's next ask: its evaluation hides that much generation). Set here by hand to check the arithmetic."""
+    server, client = serve(max_staleness=2)
+    leases = lambda: [client.lease() for _ in range(3)]                          # the 4th is a 429 anyway
+    server._step_s, server._post_s = 0.1, 0.05
+    server._gen_s = 0.04                # hidden by the evaluation: ceil(0 / 0.1) = 0 ahead, room 1: fresh batches
+    assert [x is not None for x in leases()] == [True, False, False]
+    server._leases.clear()
+    server._gen_s = 0.2                 # ceil(0.15 / 0.1) = 2 ahead, room 3: both of a worker's leases
+    assert [x is not None for x in leases()] == [True, True, False]                  # (PER_WORKER = 2)
+    server._leases.clear()
+    server._gen_s = 1.0                 # ceil(9.5) = 10, but never over k = 2 versions: room 3
+    assert sum(x is not None for x in leases()) == 2
+    client.worker = "other"                                                           # a 2nd worker: the 3rd
+    assert client.lease() is not None and client.lease() is None
+
+
 def test_check_names_what_differs(serve):
     server, client = serve()
     client.check(dict(FP), describe({"w": torch.zeros(3)}))
@@ -229,7 +264,7 @@ def bad_batches(marker):
     good = make_batch()
     t = {f: getattr(good, f) for f in ("states", "actions", "logp", "rewards", "mask", "truncated", "group_id",
                                        "final_states")}
-    meta = {"version": "1", "lease": "x", "run": "r", "group_size": "2", "final_states": "1"}
+    meta = {"version": "1", "lease": "x", "run": "r", "group_size": "2"}
     blob = batch_to_bytes(good, "x", "r")
     out = [b"", b"garbage", b"\x00" * 8, b"\xff" * 64, os.urandom(100), os.urandom(5000), pickle.dumps(Evil(marker)),
            pickle.dumps(Evil(marker), protocol=0), json.dumps({"states": [1, 2]}).encode(), b"{}" * 50]
@@ -254,7 +289,7 @@ def bad_batches(marker):
               {**t, "final_states": t["final_states"][:, :2]}, {**t, "states": t["states"].long()}]
     out += [tensors_to_bytes(c, meta) for c in cases]
     for k, vals in {"version": ["-1", "0", "99", "1.5", "abc", "", "1e3", " "], "group_size": ["0", "3", "-2", "x"],
-                    "final_states": ["0", "2", ""], "lease": [""]}.items():
+                    "lease": [""]}.items():
         out += [tensors_to_bytes(t, {**meta, k: v}) for v in vals]
     out += [tensors_to_bytes(t, {k: v for k, v in meta.items() if k != drop}) for drop in meta]
     out.append(tensors_to_bytes(t))                                 # no metadata at all
@@ -350,8 +385,9 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     # the server still answers, the good batch survived bit for bit, and a new good submit works
     assert client.version() == 1
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
-    submit(client, make_batch(seed=7))
-    assert same_batch(server.next_batches(1, 1, timeout=1)[0], make_batch(seed=7))
+    server.publish(2, {"w": torch.zeros(3)})        # the trainer took its batch: the next lease is for version 2
+    submit(client, make_batch(version=2, seed=7))
+    assert same_batch(server.next_batches(1, 2, timeout=1)[0], make_batch(version=2, seed=7))
     assert server.counters["received"] == 2
 
 
@@ -436,6 +472,10 @@ def bad_for_the_run(limits, version=1):
            ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
            ("not this run's", make_batch(N=N, **{**kw, "llm": not llm}))]             # rows of the other kind
     if llm:
+        out.append(("final_states", replace(b, final_states=torch.zeros(N, 1))))
+    else:                                                       # PPO's critic bootstraps from them: a crash
+        out.append(("final_states", replace(b, final_states=None)))
+    if llm:
         wide = make_batch(N=N, T=prompt + 2, **kw)
         out += [("token ids must be in", edit("actions", lambda x: x[0].__setitem__(0, A),
                                               edit("states", lambda x: x[0].__setitem__(0, A)))),
@@ -517,3 +557,71 @@ def test_idle_and_trickling_clients_cannot_hold_the_server(serve):
     assert time.monotonic() - t < 1.0                   # with 256 idle sockets and a trickler connected
     for s in idle + tricklers:
         s.close()
+
+
+def test_finish_answers_410_to_every_request_and_to_the_lease_waiting(serve):
+    """k = 0: one lease fills the room, so another worker's lease waits (a long poll). finish(grace) answers
+    that poll, the holder's renewal and any later request 410 with the run id, and returns after grace s."""
+    import threading
+    server, client = serve(max_staleness=0)
+    _, _, held = client.lease()
+    other, heard = TrainerClient(client.url, TOKEN, timeout=5, patience=0.05, backoff=0.01), []
+
+    def lease_waiting():
+        with pytest.raises(Rejected) as e:
+            other.lease(wait=10)
+        heard.append((e.value, time.monotonic()))
+    poll = threading.Thread(target=lease_waiting)
+    poll.start()
+    time.sleep(0.5)                                                 # it waits for room
+    t0 = time.monotonic()
+    finisher = threading.Thread(target=server.finish, args=(1.5,))
+    finisher.start()
+    poll.join(5)
+    with pytest.raises(Rejected) as renew:
+        client._call("POST", f"/renew?lease={held}", b"")
+    finisher.join(5)
+    took = time.monotonic() - t0
+    (waited, at), = heard
+    assert [waited.status, renew.value.status] == [410, 410] and at - t0 < 1.0 and 1.4 < took < 2.5
+    assert f"run {server.run} finished" in str(waited) and f"run {server.run} finished" in str(renew.value)
+
+
+def read_answer(sock, pace: float) -> tuple[int, bytes]:
+    """An HTTP answer read from a raw socket in 64 KiB pieces, at most `pace` bytes/s -> (status, body so
+    far): a cut connection ends it early."""
+    data, t0, head = bytearray(), time.monotonic(), None
+    with contextlib.suppress(ConnectionResetError):
+        while piece := sock.recv(1 << 16):
+            data += piece
+            if head is None and b"\r\n\r\n" in data:
+                head, _, rest = bytes(data).partition(b"\r\n\r\n")
+                data = bytearray(rest)
+            time.sleep(max(0.0, len(data) / pace - (time.monotonic() - t0)))  # ~1 ms: far under any deadline
+    return int(head.split()[1]), bytes(data)
+
+
+def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
+    """200 MB of weights, server timeout 0.5 s. A reader paced to take 5 timeouts (never pausing for one) gets
+    every byte; a reader that stops reading is cut a timeout or two after its last byte moved."""
+    server, _ = serve(timeout=0.5)
+    server.publish(2, {"w": torch.arange(50 << 20, dtype=torch.float32)})
+    ask = (f"GET /weights?version=2&run={server.run} HTTP/1.1\r\n"
+           f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(ask)
+        t0 = time.monotonic()
+        status, body = read_answer(s, pace=len(server._weights) / 2.5)
+    took = time.monotonic() - t0
+    assert status == 200 and len(body) == len(server._weights) and body == server._weights and took > 2.0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(ask)
+        got = len(s.recv(1 << 20))                                  # then stops reading
+        t0 = time.monotonic()
+        while server._conns and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        cut = time.monotonic() - t0
+        with contextlib.suppress(ConnectionResetError):
+            while piece := s.recv(1 << 16):
+                got += len(piece)
+        assert 0.4 < cut < 2.5 and got < len(server._weights), (cut, got)

@@ -201,9 +201,9 @@ def test_rehearsal_countdown_two_nodes_on_loopback(tmp_path, tiny_lm):
     assert f"trainer: serving on 0.0.0.0:{env['PORT']}" in logs[0]
     steps, n_used = used(tmp_path)
     assert steps == [1, 2, 3] and n_used == 3 * 2                   # one worker batch per rank per step
-    for i in (0, 1):                                                 # one worker per GPU, each used, each exited
-        w = (tmp_path / f"run.worker{i}.log").read_text()
-        assert f"worker: http://127.0.0.1:{env['PORT']}," in w and re.search(r"exiting after [1-9]\d* batches", w), w
+    for i in (0, 1):      # one worker per GPU, each exited when told the run finished; a worker that took 7.4 s to
+        w = (tmp_path / f"run.worker{i}.log").read_text()        # load (a slower machine) may have had no batch in
+        assert f"worker: http://127.0.0.1:{env['PORT']}," in w and re.search(r"exiting after \d+ batches", w), w
 
 
 def test_rehearsal_gsm8k_2gpu_async_one_node(tmp_path, tiny_lm):

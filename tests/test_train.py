@@ -28,10 +28,10 @@ def setup(algo="ppo", seed=0, **kw):
     return cfg, task, policy, batch, adv, target
 
 
-def grads_after(policy, cfg, batch, adv, target, max_len=500):
+def grads_after(policy, cfg, batch, adv, target, max_len=500, old_logp=None):
     policy = copy.deepcopy(policy)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
-    stats = update(policy, opt, batch, adv, target, cfg, max_len)
+    stats = update(policy, opt, batch, adv, target, cfg, max_len, old_logp)
     return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats
 
 
@@ -42,6 +42,20 @@ def test_ratio_is_exactly_one_on_the_first_epoch_and_moves_after():
     cfg.inner_epochs = 3
     _, stats = grads_after(policy, cfg, batch, adv, target)
     assert stats["ratio"] != 1.0                                          # epoch 3 sees moved weights
+
+
+def test_a_stale_batch_weighs_each_sample_by_pi_now_over_pi_then_at_most_1_and_clips_around_now():
+    """Async: a batch sampled by older weights (behaviour log-probs `then`). Its gradient is the on-policy one with
+    each advantage times min(1, pi_now / pi_then), and the ratio is taken against the weights before this
+    update (1 on the first epoch, as in sync): clipping against pi_then cut ~70% of CartPole's gradient."""
+    cfg, task, policy, batch, adv, target = setup("reinforce")
+    now = torch.cat([policy.logprobs(batch)[0].detach()])                # [N, T]
+    then = now + torch.linspace(-1, 1, now.numel()).view_as(now) * batch.mask   # pi_then above and below pi_now
+    stale, stats = grads_after(policy, cfg, batch, adv, target, old_logp=[then])
+    weighted, _ = grads_after(policy, cfg, batch, adv * torch.exp(now - then).clamp(max=1), target)
+    assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stale, weighted))
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(stale, grads_after(policy, cfg, batch, adv, target)[0]))
 
 
 @pytest.mark.parametrize("agg", ["token", "seq", "constant"])
