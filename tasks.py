@@ -3,6 +3,7 @@
 Invariant: training prompts and held-out prompts are disjoint by construction, and every member
 of a group starts from the same prompt (the same initial state, for control).
 """
+import ast
 import hashlib
 import json
 import operator
@@ -57,18 +58,18 @@ class CartPole:
     def rollout(self, policy, prompts, group_size, greedy=False):
         s = self.reset(np.repeat(prompts, group_size))                      # [N, 4], groups contiguous
         N = len(s)
-        obs, acts, logps = [], [], []
+        steps = []                                                          # (obs, action, logp) per step
         alive, length = np.ones(N, bool), np.zeros(N, np.int64)
         for _ in range(self.max_len):
             o = s.astype(np.float32)                                         # gymnasium's obs dtype
             a, lp = policy.act(o, greedy)
-            obs.append(o), acts.append(a), logps.append(lp)
+            steps.append((o, a, lp))
             s = np.where(alive[:, None], self.step(s, a), s)                 # finished rows stay put
             length += alive
             alive &= ~self.terminated(s)
             if not alive.any():
                 break
-        obs, acts, logps = (torch.from_numpy(np.stack(x, 1)) for x in (obs, acts, logps))  # [N, T, ...]
+        obs, acts, logps = (torch.from_numpy(np.stack(x, 1)) for x in zip(*steps))  # [N, T, ...]
         final = torch.from_numpy(s.astype(np.float32))                      # [N, 4]
         rows = [Trajectory(states=obs[i, :L], actions=acts[i, :L], logp=logps[i, :L],
                            rewards=torch.ones(L), mask=torch.ones(L), truncated=bool(alive[i]),
@@ -86,8 +87,7 @@ class CartPole:
 
 MAX_EXPR = 200  # characters: 4 two-digit numbers, 3 ops, parentheses and spaces fit in ~40
 _EXPR_CHARS = set("0123456789+-*/() ")  # explicit ASCII: str.isdigit() also accepts '３' and '٣'
-_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 # thousands groups first, so "1,234" is one number but "1, 2" is two; [0-9], not \d (unicode digits)
 _NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 
@@ -107,41 +107,23 @@ def format_reward(prompt: str, completion: str, answer) -> float:
     return 0.5 + 0.5 * (completion[completion.rfind("</answer>") + len("</answer>"):].strip() == "")
 
 
-def _evaluate(tokens: list[str]) -> Fraction | None:
-    """Shunting-yard over number/operator/parenthesis tokens -> exact Fraction; None on a syntax
-    error (unary minus included) or a division by zero. Iterative: deep nesting cannot recurse."""
-    vals, ops, want_number = [], [], True
+def _evaluate(expr: str) -> Fraction | None:
+    """Python's own parser over an expression already checked to hold only ASCII digits, + - * / ( ) and
+    spaces, in at most MAX_EXPR characters (so at most ~100 nested parentheses: far inside the parser's
+    limits and the recursion below) -> exact Fraction. None on a syntax error ('3 4', '()', unbalanced),
+    on any node but an integer or + - * / (unary '-', '**', '//', '3(4)') and on a division by zero.
+    Nothing is executed: the tree is only read."""
 
-    def apply():
-        b, a = vals.pop(), vals.pop()
-        vals.append(_OPS[ops.pop()](a, b))
+    def value(node):
+        if isinstance(node, ast.Constant):              # only digits get here: an int
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError("not an operator of the game")
 
     try:
-        for tok in tokens:
-            if want_number != (tok[0] in "0123456789("):  # e.g. '3 4', '**', '()', unary '-'
-                return None
-            if tok == "(":
-                ops.append(tok)
-            elif tok[0] in "0123456789":
-                vals.append(Fraction(int(tok)))
-                want_number = False
-            elif tok == ")":
-                while ops and ops[-1] != "(":
-                    apply()
-                if not ops:
-                    return None
-                ops.pop()
-            else:
-                while ops and ops[-1] != "(" and _PREC[ops[-1]] >= _PREC[tok]:
-                    apply()
-                ops.append(tok)
-                want_number = True
-        if want_number or "(" in ops:
-            return None
-        while ops:
-            apply()
-        return vals[0]
-    except ZeroDivisionError:
+        return value(ast.parse(expr, mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError):
         return None
 
 
@@ -152,11 +134,10 @@ def countdown_reward(prompt: str, completion: str, answer: dict) -> float:
     expr = extract_answer(completion)
     if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
         return 0.0
-    tokens = re.findall(r"[0-9]+|[-+*/()]", expr)
-    nums = [t for t in tokens if t[0] in "0123456789"]
+    nums = re.findall(r"[0-9]+", expr)
     if any(t != str(int(t)) for t in nums) or sorted(map(int, nums)) != sorted(answer["numbers"]):
         return 0.0                              # checked before evaluating: values stay small
-    return float(_evaluate(tokens) == answer["target"])
+    return float(_evaluate(expr) == answer["target"])
 
 
 def countdown_problem(rng: np.random.Generator) -> dict:
@@ -177,8 +158,10 @@ def countdown_problem(rng: np.random.Generator) -> dict:
             if 1 <= value <= 999:
                 prompt = (f"Using the numbers {nums}, create an equation that equals {value}. Use + - * / "
                           "and parentheses, each number exactly once. Think inside <think> </think>, "
-                          "then give only the equation inside <answer> </answer>, e.g. <answer>(1 + 2) / 3</answer>.")
-                return {"prompt": prompt, "answer": {"numbers": nums, "target": value}, "solution": expr[1:-1]}
+                          "then give only the equation inside <answer> </answer>, e.g. "
+                          "<answer>(1 + 2) / 3</answer>.")
+                return {"prompt": prompt, "answer": {"numbers": nums, "target": value},
+                        "solution": expr[1:-1]}
 
 
 def _last_number(text: str) -> Fraction | None:
@@ -269,15 +252,18 @@ class LLMTask:
     rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
     is_llm, metric = True, "eval_acc"
     rewards: list = []
+    train_set = None                            # data-backed tasks: every training problem
 
     def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1):
-        self.eval_episodes, self.data, self.overlong_cache, self.pass_k = eval_episodes, data, overlong_cache, pass_k
+        self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
+        self.pass_k = pass_k
         self.max_new_tokens = self.max_len = max_new_tokens  # max_len: Dr. GRPO's constant denominator
         self.eval_set = self.eval_problems()
         if len(self.eval_set) < max(eval_episodes, 10):
-            print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), so "
-                  f"eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
-                  + (": use a larger --data file (a tenth of it is held out)" if data else ""), file=sys.stderr)
+            print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), "
+                  f"so eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
+                  + (": use a larger --data file (a tenth of it is held out)" if data else ""),
+                  file=sys.stderr)
 
     def problem(self, rng: np.random.Generator) -> dict:
         raise NotImplementedError
@@ -309,13 +295,14 @@ class LLMTask:
         return -float(self.overlong_cache > 0), float(sum(w for w, _ in self.rewards))
 
     def max_prompt_len(self, encode) -> int:
-        """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this + max_new_tokens).
-        Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws, + 10% + 8 tokens for a
-        longer draw missed (Countdown, SmolLM2: 111 tokens at most, in these draws and 30,000 others)."""
-        data = getattr(self, "train_set", None)
-        problems = self.eval_set + (data if data is not None else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1)))
-        longest = max(len(encode(p["prompt"])) for p in problems)
-        return longest if data is not None else int(longest * 1.1) + 8
+        """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
+        max_new_tokens). Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws,
+        + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 tokens at most, in these draws
+        and 30,000 others)."""
+        exact = self.train_set is not None
+        drawn = self.train_set if exact else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1))
+        longest = max(len(encode(p["prompt"])) for p in self.eval_set + drawn)
+        return longest if exact else int(longest * 1.1) + 8
 
     def score(self, problem, completion: str, n_tokens: int) -> float:
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
@@ -328,7 +315,7 @@ class LLMTask:
             p, P, C = prompts[i // group_size], ids[i // group_size], len(c)
             tokens = torch.cat([torch.tensor(P, dtype=torch.long), c.long().cpu()])   # [T] = [P + C]
             rewards = torch.zeros(len(tokens))                                      # [T]
-            rewards[-1] = self.score(p, policy.decode(c.tolist()), C)               # on the last completion token
+            rewards[-1] = self.score(p, policy.decode(c.tolist()), C)   # on the last completion token
             rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=bool(trunc),
                                    logp=torch.cat([torch.zeros(len(P)), lp.float().cpu()]),  # [T]
                                    mask=torch.cat([torch.zeros(len(P)), torch.ones(C)])))    # [T]
@@ -348,7 +335,8 @@ class LLMTask:
         mine, n = self.eval_set[rank::world], len(self.eval_set)
         out = {"eval_acc": all_sum(float(self._correct(policy, mine, 1, True).sum())) / n}
         if self.pass_k > 1:
-            out["pass_at_k"] = all_sum(float(self._correct(policy, mine, self.pass_k, False).any(1).sum())) / n
+            hits = self._correct(policy, mine, self.pass_k, False).any(1)           # [n]
+            out["pass_at_k"] = all_sum(float(hits.sum())) / n
         return out
 
 
@@ -364,9 +352,9 @@ class GSM8K(LLMTask):
     """Grade-school math word problems; the reference is the number after '####'."""
     rewards = [(1.0, gsm8k_reward), (0.1, format_reward)]
 
-    def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1):
-        super().__init__(eval_episodes, data, overlong_cache, max_new_tokens, pass_k)
-        self.train_set = load_gsm8k(data, "train")
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train_set = load_gsm8k(self.data, "train")
 
     def sample(self, n, rng):
         return [self.train_set[i] for i in rng.integers(len(self.train_set), size=n)]
@@ -398,4 +386,5 @@ class Addition(LLMTask):
         return {"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
 
 
-TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit, "addition": Addition}
+TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
+         "addition": Addition}

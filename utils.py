@@ -1,4 +1,4 @@
-"""Masked math on raw tensors, seeding, torch.distributed plumbing and the logger.
+"""Masked math on raw tensors, returns and GAE, Adam, torch.distributed plumbing and the logger.
 
 Invariant: every reduction over padded [N, T] tensors goes through masked_sum / masked_mean / whiten,
 and every statistic that must match one process (whiten's mean and std) is summed over all ranks.
@@ -7,11 +7,9 @@ import csv
 import datetime
 import math
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,12 +62,6 @@ def gae(rewards, values, mask, gamma, lam, bootstrap=None):
         last = (delta + gamma * lam * last * has_next) * mask[:, t]
         adv[:, t] = last
     return adv                                                               # [N, T]
-
-
-def seed_all(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class Adam:
@@ -195,7 +187,8 @@ class Logger:
         kept = []
         if keep_until is not None and os.path.exists(path):
             with open(path, newline="") as f:
-                kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= keep_until]
+                kept = [r for r in csv.DictReader(f)
+                        if r.get("step", "").isdigit() and int(r["step"]) <= keep_until]
         with open(path + ".tmp", "w", newline="") as f:    # rewritten whole, then renamed: never half a CSV
             w = csv.DictWriter(f, columns, extrasaction="ignore")
             w.writeheader()

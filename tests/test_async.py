@@ -344,8 +344,6 @@ def test_async_roles_refuse_bad_settings(monkeypatch):
         validate(Config(role="rollout"))
     with pytest.raises(ValueError, match="--vllm is for --role rollout workers with --lora"):
         validate(Config(role="trainer", vllm=True))
-    with pytest.raises(ValueError, match="--role leader is unknown"):
-        validate(Config(role="leader"))
 
 
 def test_worker_refuses_a_trainer_with_other_settings(tmp_path):

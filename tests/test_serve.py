@@ -76,8 +76,8 @@ def test_tensor_and_batch_round_trips_bit_for_bit():
     back, meta = tensors_from_bytes(tensors_to_bytes(t, {"k": "v"}))
     assert meta == {"k": "v"} and set(back) == set(t)
     assert all(back[k].dtype == t[k].dtype and torch.equal(back[k], t[k]) for k in t)
-    for b in (make_batch(), make_batch(llm=True)):                   # [N, T, 4] with final_states; [N, T] long without
-        got, meta = batch_from_bytes(batch_to_bytes(b, "L1", "R1"))
+    for b, limits in ((make_batch(), LIMITS), (make_batch(llm=True), LLM_LIMITS)):   # [N, T, 4] with final_states;
+        got, meta = batch_from_bytes(batch_to_bytes(b, "L1", "R1"), limits)          # [N, T] long without
         assert same_batch(got, b) and (meta["lease"], meta["run"]) == ("L1", "R1")
 
 
@@ -606,14 +606,15 @@ def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
     every byte; a reader that stops reading is cut a timeout or two after its last byte moved."""
     server, _ = serve(timeout=0.5)
     server.publish(2, {"w": torch.arange(50 << 20, dtype=torch.float32)})
+    weights = server._blobs["weights"]
     ask = (f"GET /weights?version=2&run={server.run} HTTP/1.1\r\n"
            f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(ask)
         t0 = time.monotonic()
-        status, body = read_answer(s, pace=len(server._weights) / 2.5)
+        status, body = read_answer(s, pace=len(weights) / 2.5)
     took = time.monotonic() - t0
-    assert status == 200 and len(body) == len(server._weights) and body == server._weights and took > 2.0
+    assert status == 200 and len(body) == len(weights) and body == weights and took > 2.0
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(ask)
         got = len(s.recv(1 << 20))                                  # then stops reading
@@ -624,4 +625,4 @@ def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
         with contextlib.suppress(ConnectionResetError):
             while piece := s.recv(1 << 16):
                 got += len(piece)
-        assert 0.4 < cut < 2.5 and got < len(server._weights), (cut, got)
+        assert 0.4 < cut < 2.5 and got < len(weights), (cut, got)
