@@ -342,6 +342,8 @@ def test_async_roles_refuse_bad_settings(monkeypatch):
     monkeypatch.setenv("NANORL_TOKEN", TOKEN)
     with pytest.raises(ValueError, match="--role rollout needs --trainer-url"):
         validate(Config(role="rollout"))
+    with pytest.raises(ValueError, match="the trainer serves plain HTTP, not https"):   # it passed, then "gone"
+        validate(Config(role="rollout", trainer_url="https://10.0.0.1:8471"))
     with pytest.raises(ValueError, match="--vllm is for --role rollout workers with --lora"):
         validate(Config(role="trainer", vllm=True))
 

