@@ -388,8 +388,12 @@ def test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line(tmp
     0 within seconds (not after --trainer-patience, 120 s); with no trainer, or the wrong token, one line and exit 1."""
     port = free_port()
     early = workers(port, 1, tmp=tmp_path, patience=120)[0]
-    time.sleep(3)
-    assert "worker: waiting for the trainer at http://127.0.0.1:" in (tmp_path / "worker0.log").read_text()
+    log = tmp_path / "worker0.log"
+    for _ in range(600):                                # said at once, however slow the imports before it
+        if "worker: waiting for the trainer at http://127.0.0.1:" in log.read_text():
+            break
+        time.sleep(0.1)
+    assert "worker: waiting for the trainer at http://127.0.0.1:" in log.read_text()
     trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "f", "--steps", 5,
                     "--solve-at", 0, "--eval-every", 0, log=tmp_path / "f.log")
     try:

@@ -157,7 +157,10 @@ def test_llm_processes_share_the_cores_and_control_takes_one_thread(tmp_path, mo
     (tmp_path / "train.py").write_text("import time\ntime.sleep(60)\n")
     others = [subprocess.Popen([sys.executable, str(tmp_path / "train.py")]) for _ in range(2)]
     try:
-        time.sleep(0.5)
+        for _ in range(100):                            # their command lines appear as they start
+            if nanorl_processes() == 2:
+                break
+            time.sleep(0.1)
         assert nanorl_processes() == 2                  # pytest itself runs no train.py
         llm = Config(task="maxdigit", model="m", algo="grpo", group_size=2)
         assert share_cores(llm) == f"{max(1, cores // 2)} thread{'s' * (cores >= 4)} ({cores} cores / 2 NanoRL " \
