@@ -8,6 +8,7 @@ The wire carries safetensors and JSON, never a pickle; one event loop serves eve
 import asyncio
 import bisect
 import contextlib
+import gc
 import hmac
 import json
 import math
@@ -203,12 +204,12 @@ class WireServer:
                              "machine")
         self.token, self.routes, self.max_body, self.timeout = token.encode(), routes, max_body, timeout
         self.host, self.port, self.gone, self._thread = host, port, "", None
-        self._conns, self._unknown = {}, {}         # the loop's, writer -> handler task: all; no token yet
+        self._unknown = {}                          # the loop's, writer -> handler task: no token yet
 
     def start(self):
         """Listen (port 0: any free port, then self.port says which) and serve from a thread of its own."""
         self._loop = asyncio.new_event_loop()
-        listen = asyncio.start_server(self._handle, self.host, self.port, limit=MAX_HEAD, backlog=128)
+        listen = asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128)
         self._server = self._loop.run_until_complete(listen)      # here, so that an error raises here
         self.port = self._server.sockets[0].getsockname()[1]
         # joined by stop(): a thread still parsing a batch into torch tensors when the interpreter exits
@@ -222,25 +223,30 @@ class WireServer:
         if self._thread:
             async def close():
                 self._server.close()
-                # a connection accepted just before starts its handler a tick later: unstarted, it would
-                # leave the client hanging on an open socket
-                await asyncio.sleep(0.05)
-                for task in list(self._conns.values()):
-                    task.cancel()
-                await asyncio.gather(*self._conns.values(), return_exceptions=True)
+                # every task, again until none is left: a connection accepted just before starts its
+                # handler a few turns later, and Python 3.10/3.11's wait_for can swallow a cancel that
+                # lands as its read completes (seen on a loop starved of the GIL)
+                while tasks := asyncio.all_tasks() - {asyncio.current_task()}:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.wait(tasks, timeout=0.1)
             asyncio.run_coroutine_threadsafe(close(), self._loop).result()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
             self._thread = None
 
-    async def _handle(self, reader, writer):
-        # one request, one answer, closed. A connection is anyone's until it shows the token: those are
+    def _accept(self, reader, writer):
+        # one request, one answer, closed however the task ends (even cancelled before it began: by
+        # stop(), or for a newer connection). A connection is anyone's until it shows the token: those are
         # capped among themselves (the oldest goes; an honest one shows it in milliseconds), so a flood
         # never cuts a worker's long-poll or download
-        self._conns[writer] = self._unknown[writer] = asyncio.current_task()
+        task = self._unknown[writer] = asyncio.ensure_future(self._handle(reader, writer))
+        task.add_done_callback(lambda _: self._close(writer))
         if len(self._unknown) > MAX_CONNS:
             self._unknown.pop(next(iter(self._unknown))).cancel()
+
+    async def _handle(self, reader, writer):
         try:
             status, out = 200, await asyncio.wait_for(self._request(reader, writer), self.timeout)
         except Rejected as e:
@@ -249,8 +255,8 @@ class WireServer:
             status, out = 400, {"error": str(e)}
         except asyncio.TimeoutError:                # a trickler
             status, out = 408, {"error": f"request not received in {self.timeout:g} s"}
-        except (OSError, asyncio.CancelledError):   # reset by the peer, closed for a newer one, or stop()
-            return self._close(writer)
+        except OSError:                             # reset by the peer
+            return
         except Exception as e:                      # a bug of ours: an answer still, never a dropped socket
             status, out = 500, {"error": f"internal error: {e!r}"}
         blob = isinstance(out, bytes)
@@ -266,9 +272,8 @@ class WireServer:
             until = time.monotonic() + LINGER_S
             while await asyncio.wait_for(reader.read(1 << 16), until - time.monotonic()):
                 pass
-        except (OSError, asyncio.TimeoutError, asyncio.CancelledError):
+        except (OSError, asyncio.TimeoutError):
             pass
-        self._close(writer)
 
     async def _send(self, writer, data: bytes):
         """In CHUNKs: the transport copied a whole blob it could not send at once. A client is cut only once
@@ -326,7 +331,7 @@ class WireServer:
         return await out if asyncio.iscoroutine(out) else out
 
     def _close(self, writer):
-        self._conns.pop(writer, None)
+        self._unknown.pop(writer, None)
         writer.transport.abort()
 
 

@@ -1,4 +1,5 @@
 """The async transport against a real server on 127.0.0.1: round trips, staleness, leases, and hostile input."""
+import asyncio
 import contextlib
 import http.client
 import json
@@ -619,10 +620,54 @@ def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
         s.sendall(ask)
         got = len(s.recv(1 << 20))                                  # then stops reading
         t0 = time.monotonic()
-        while server._conns and time.monotonic() - t0 < 10:
+        while asyncio.all_tasks(server._loop) and time.monotonic() - t0 < 10:     # its handler's
             time.sleep(0.01)
         cut = time.monotonic() - t0
         with contextlib.suppress(ConnectionResetError):
             while piece := s.recv(1 << 16):
                 got += len(piece)
         assert 0.4 < cut < 2.5 and got < len(weights), (cut, got)
+
+
+def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil():
+    """stop() ends every connection at once: one accepted as it began (its handler not yet started) and one
+    whose cancel Python 3.10/3.11's wait_for swallowed (its read completed in the same loop turn) included.
+    Three busy threads starve the server's loop of the GIL, as a worker thread and torch did in CI, where a
+    worker's long-poll hung past stop() and the worker outlived its test. Before the fix, 14 of 40 rounds
+    here left a client waiting out its socket timeout."""
+    import threading
+    busy = threading.Event()
+    def spin():
+        while not busy.is_set():
+            pass
+    spinners = [threading.Thread(target=spin) for _ in range(3)]
+    for t in spinners:
+        t.start()
+    outcomes = []
+    def wait_for_a_lease(client):
+        try:
+            client.lease(wait=60)                       # no room: held until stop() ends it
+            outcomes.append("leased")
+        except (TrainerGone, Rejected) as e:
+            outcomes.append(str(e))
+    try:
+        for i in range(10):
+            server = TrainerServer(TOKEN, FP, 0, host="127.0.0.1", port=0, limits=LIMITS).start()
+            server.publish(1, {"w": torch.zeros(3)})
+            url = f"http://127.0.0.1:{server.port}"
+            TrainerClient(url, TOKEN).lease()           # the only room (k = 0, one batch per step)
+            clients = [threading.Thread(target=wait_for_a_lease, args=(TrainerClient(url, TOKEN, timeout=10,
+                                                                                     patience=0),))
+                       for _ in range(4)]
+            for t in clients:
+                t.start()
+            time.sleep(0.01 + 0.003 * (i % 7))          # stop() lands at a different moment in each round
+            server.stop()
+            for t in clients:
+                t.join()
+    finally:
+        busy.set()
+        for t in spinners:
+            t.join()
+    hung = [o for o in outcomes if "timed out" in o]
+    assert len(outcomes) == 40 and "leased" not in outcomes and not hung, hung
