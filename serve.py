@@ -10,15 +10,16 @@ import bisect
 import contextlib
 import gc
 import hmac
+import itertools
 import json
 import math
 import os
+import re
 import secrets
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from http import HTTPStatus
 from http.client import HTTPException
 from urllib.parse import parse_qsl, urlsplit
@@ -71,8 +72,7 @@ def describe(tensors: dict) -> dict:
 
 
 def batch_to_bytes(batch: Batch, lease: str, run: str) -> bytes:
-    tensors = {f: getattr(batch, f) for f in ("states", *FIELDS, "final_states")
-               if getattr(batch, f) is not None}
+    tensors = {f: v for f, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size)}
     return tensors_to_bytes(tensors, meta)
 
@@ -89,13 +89,13 @@ def batch_from_bytes(data: bytes, limits: dict) -> tuple[Batch, dict]:
             and meta.get("run") and meta.get("group_size") == str(G)):
         raise ValueError(f"metadata needs an int version, a lease and a run (POST /lease), and group_size "
                          f"{G}: this run takes {P} prompts x {G} samples; got {str(meta)[:300]}")
-    s, row = t.get("states", torch.zeros(0)), () if llm else (O,)     # row: the shape of one step's state
+    s = t.get("states", torch.zeros(0))
     T = s.shape[1] if s.ndim > 1 else -1
-    spec = {"states": (torch.long if llm else torch.float32, (N, T, *row)),
-            **{f: (dtype, (N, T)[:rank]) for f, (dtype, rank) in FIELDS.items()}}
     # control rows ([N, T, O] states) end somewhere: PPO's critic bootstraps a truncated row from there, and
     # a batch without final_states once killed a PPO trainer (TypeError); token rows have none
-    spec.update({} if llm else {"final_states": (torch.float32, (N, O))})
+    spec = {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
+            **{f: (dtype, (N, T)[:rank]) for f, (dtype, rank) in FIELDS.items()},
+            **({} if llm else {"final_states": (torch.float32, (N, O))})}
     if set(t) != set(spec):
         raise ValueError(f"tensors {sorted(t)} are not this run's {sorted(spec)}: final_states [N, O] "
                          f"comes with [N, T, O] states (control), never with [N, T] token ids")
@@ -103,15 +103,15 @@ def batch_from_bytes(data: bytes, limits: dict) -> tuple[Batch, dict]:
         if t[f].dtype != dtype or t[f].shape != shape:
             raise ValueError(f"{f} {t[f].dtype} {list(t[f].shape)} is not this run's {dtype} {list(shape)}: "
                              f"this run takes {P} prompts x {G} samples")
+        if dtype.is_floating_point and not torch.isfinite(t[f]).all():
+            raise ValueError(f"NaN or inf in {f}")
     if T > prompt + L:
         raise ValueError(f"T {T} is over this run's {prompt} prompt + {L} completion tokens" if llm else
                          f"T {T} is over this task's {L} steps")
-    if not all(torch.isfinite(x).all() for x in t.values() if x.is_floating_point()):
-        raise ValueError("NaN or inf in a float field")
     if not torch.equal(t["group_id"], torch.arange(P).repeat_interleave(G)):      # [N] 0, 0, .., 1, 1, ..
         raise ValueError("group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous")
     m, steps = t["mask"], torch.arange(T)
-    start, n = ((m != 0).cumsum(1) == 0).sum(1), (m != 0).sum(1)   # [N] first trained position, length
+    start, n = (m.cumsum(1) == 0).sum(1), m.sum(1)   # [N] first trained position, length (if m is a run)
     run = (steps >= start[:, None]) & (steps < (start + n)[:, None])      # [N, T] what the mask must be
     if not (torch.equal(m, run.float()) and n.min() >= 1 and n.max() <= L and start.min() >= llm
             and start.max() <= prompt):                                     # control: from step 0
@@ -121,9 +121,9 @@ def batch_from_bytes(data: bytes, limits: dict) -> tuple[Batch, dict]:
     if a.min() < 0 or a.max() >= A or (llm and not torch.equal(a, s)):
         raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
                          f"action ids must be in [0, {A})")
-    r, R = t["rewards"], t["rewards"].sum(1)                                # [N, T], [N]
-    where = steps == (start + n - 1)[:, None] if llm else m != 0   # [N, T] where rewards may sit
-    if (r[~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
+    R = t["rewards"].sum(1)                                             # [N]
+    where = steps == (start + n - 1)[:, None] if llm else run      # [N, T] where rewards may sit
+    if (t["rewards"][~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
         raise ValueError("rewards must sit on the " + ("last completion token" if llm else "masked steps")
                          + f" and total within this task's [{lo:g}, {hi:g}] per row")
     return Batch(**{"final_states": None, **t}, group_size=G, version=int(version)), meta
@@ -155,8 +155,7 @@ def pack_adapter(files: dict[str, bytes]) -> bytes:
 def unpack_adapter(data: bytes, dest_dir: str) -> str:
     """Write the two ADAPTER_FILES into dest_dir; anything else, and nothing is written."""
     files = tensors_from_bytes(data)[0]
-    bytes_1d = all(t.dtype == torch.uint8 and t.ndim == 1 for t in files.values())
-    if set(files) != set(ADAPTER_FILES) or not bytes_1d:
+    if set(files) != set(ADAPTER_FILES) or any(t.dtype != torch.uint8 or t.ndim != 1 for t in files.values()):
         raise ValueError(f"refusing adapter files {str(sorted(files))[:200]}: only {list(ADAPTER_FILES)}, "
                          f"both, as 1-d uint8 (is the trainer running this NanoRL version?)")
     os.makedirs(dest_dir, exist_ok=True)
@@ -189,13 +188,12 @@ class WireServer:
     """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns a dict
     (sent as JSON), bytes, or a coroutine of either, and raises Rejected, or ValueError for a 400.
 
-    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers within
-    HEAD_S s and the whole request within `timeout` s (else 408), checked on the headers before a byte of
-    the body is read, at most max_body. Authentication comes first: at most MAX_CONNS connections yet to
-    show the token (the oldest closed), and a connection that showed it is never closed for one that has
-    not. An answer is cut only when the client took no byte of it for `timeout` s. Once `gone` says why,
-    every request with the token gets a 410 saying it.
-    """
+    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S
+    s and the whole request within `timeout` s (else 408), checked on the headers before a byte of the body
+    is read, at most max_body. Authentication first: at most MAX_CONNS connections yet to show the token
+    (the oldest closed); one that showed it is never closed for one that has not. An answer is cut only when
+    the client took no byte of it for `timeout` s. Once `gone` says why, every request with the token gets
+    a 410 saying it."""
 
     def __init__(self, token: str, routes: dict, max_body: int, host: str, port: int, timeout: float):
         if not token:
@@ -237,12 +235,14 @@ class WireServer:
             self._thread = None
 
     def _accept(self, reader, writer):
-        # one request, one answer, closed however the task ends (even cancelled before it began: by
-        # stop(), or for a newer connection). A connection is anyone's until it shows the token: those are
-        # capped among themselves (the oldest goes; an honest one shows it in milliseconds), so a flood
-        # never cuts a worker's long-poll or download
+        # one request, one answer, closed however the task ends (even cancelled before it began: by stop(),
+        # or for a newer connection). Connections yet to show the token are capped among themselves (the
+        # oldest goes; an honest one shows it in milliseconds), so a flood never cuts a long-poll or download
+        def close(_):
+            self._unknown.pop(writer, None)
+            writer.transport.abort()
         task = self._unknown[writer] = asyncio.ensure_future(self._handle(reader, writer))
-        task.add_done_callback(lambda _: self._close(writer))
+        task.add_done_callback(close)
         if len(self._unknown) > MAX_CONNS:
             self._unknown.pop(next(iter(self._unknown))).cancel()
 
@@ -276,8 +276,7 @@ class WireServer:
             pass
 
     async def _send(self, writer, data: bytes):
-        """In CHUNKs: the transport copied a whole blob it could not send at once. A client is cut only once
-        it took no byte for `timeout` s: a 2 GB blob over a slow link arrives, however long it takes."""
+        """In CHUNKs (the transport copied a whole blob it could not send at once); cut only once stalled."""
         view = memoryview(data)
         for i in range(0, len(view), CHUNK):
             writer.write(view[i:i + CHUNK])
@@ -291,15 +290,15 @@ class WireServer:
                         raise                       # stalled: not a byte taken in `timeout` s
 
     async def _request(self, reader, writer):
-        """Headers within HEAD_S s, checked before a byte of the body is read (the token first, then path,
-        method and Content-Length), then the body, then the endpoint's answer."""
+        """Headers within HEAD_S s, checked (token, path, method, Content-Length) before the body is read."""
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_S)
-            lines = head[:-4].decode("latin-1").split("\r\n")
-            request, fields = lines[0].split(" "), [line.partition(":") for line in lines[1:]]
-            if len(request) != 3 or not request[2].startswith("HTTP/1.") or not all(s for _, s, _ in fields):
-                raise Rejected(400, f"not an HTTP/1.x request: {lines[0][:100]!r}")
-            (method, target, _), headers = request, {k.strip().lower(): v.strip() for k, _, v in fields}
+            request, *lines = head[:-4].decode("latin-1").split("\r\n")
+            valid = re.fullmatch(r"(\S+) (\S+) HTTP/1\.\d", request)
+            if not valid or not all(":" in line for line in lines):
+                raise Rejected(400, f"not an HTTP/1.x request: {request[:100]!r}")
+            method, target = valid.groups()
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
             auth = headers.get("authorization", "")
             if not auth.startswith("Bearer "):
                 raise Rejected(401, "missing 'Authorization: Bearer <NANORL_TOKEN>' header")
@@ -330,10 +329,6 @@ class WireServer:
         out = endpoint(dict(parse_qsl(url.query)), body)
         return await out if asyncio.iscoroutine(out) else out
 
-    def _close(self, writer):
-        self._unknown.pop(writer, None)
-        writer.transport.abort()
-
 
 class BatchQueue:
     """The rules for batches in, with no HTTP: leases, admission, the staleness queue and its counters;
@@ -354,7 +349,7 @@ class BatchQueue:
         self._step_s, self._published = 1.0, 0.0    # seconds per version: the 429's retry_after hint
         self._gen_s = None                          # seconds from lease to batch, averaged: how far ahead
         self._post_s, self._asked = 0.0, 0          # seconds the trainer works after a publish (evaluating)
-        self._queue, self._taken = deque(), 0       # batches, lowest version first; taken at this version
+        self._queue, self._taken = [], 0            # batches, lowest version first; taken at this version
         self._leases = {}                           # lease id -> [version, worker, alive until, granted at]
         self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted refused "
                                       "wrong_run leases_refused leases_expired".split(), 0)
@@ -369,18 +364,18 @@ class BatchQueue:
             now = time.monotonic()
             self._step_s, self._published = now - self._published if self.version else 1.0, now
             self.version, self._taken = version, 0
-            self._expire(now)                       # leases whose batch can only arrive stale now
+            self._expire()                          # leases whose batch can only arrive stale now
 
     def put(self, batch: Batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
         is next to be dropped anyway. Leased submits never fill the queue: this is the net for put()."""
         with self._cv:
             if len(self._queue) >= self.capacity:
-                self._queue.popleft()
-                self.counters["evicted"] += 1
+                self._queue.pop(0)
+                self.count("evicted")
             # lowest version first: a slow worker's batch is not overtaken into staleness by newer ones
             bisect.insort(self._queue, batch, key=lambda b: b.version)
-            self.counters["received"] += 1
+            self.count("received")
             self._cv.notify_all()
 
     def next_batches(self, n: int, current_version: int, timeout: float) -> list[Batch]:
@@ -395,37 +390,38 @@ class BatchQueue:
                 while not self._ready(current_version) and time.monotonic() < deadline:
                     self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire
                 if not self._ready(current_version):
-                    self._queue = deque(sorted([*out, *self._queue], key=lambda b: b.version))
+                    self._queue = sorted([*out, *self._queue], key=lambda b: b.version)
                     self._taken -= len(out)
                     raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers "
                                        f"running?")
-                b = self._queue.popleft()
+                b = self._queue.pop(0)
                 if current_version - b.version > self.k:       # sampled more than k versions ago
-                    self.counters["dropped_stale"] += 1
+                    self.count("dropped_stale")
                     continue
                 out.append(b)
                 self._taken += 1
-            self.counters["used"] += n
+            self.count("used", n)
         return out
 
     def _ready(self, current_version: int) -> bool:
         """A batch can be taken now, unless a live lease granted k versions ago is out: its batch is usable
         at this step or never, so wait for it (or for it to stop proving life: a dead worker)."""
-        self._expire(time.monotonic())
+        self._expire()
         due = [v for v, *_ in self._leases.values() if current_version - v >= self.k]
         return bool(self._queue) and not (due and self._queue[0].version > min(due))
 
-    def _expire(self, now: float):
+    def _expire(self):
+        now = time.monotonic()
         for lid, (v, _, alive, granted) in list(self._leases.items()):
             # silent, too old, or useless
             if alive < now or now - granted > self.lease_life or self.version - v > self.k:
                 del self._leases[lid]
-                self.counters["leases_expired"] += 1
+                self.count("leases_expired")
 
     def grant(self, worker: str) -> tuple[str, int] | str:     # (lease id, version), or why there is none
         with self._cv:
             now = time.monotonic()
-            self._expire(now)
+            self._expire()
             held = sum(w == worker for _, w, *_ in self._leases.values())
             # lease only as far ahead as a batch takes to make, beyond what the trainer's work after a publish
             # (evaluating) hides, in versions, k at most: a full queue made every batch k versions stale, and
@@ -436,25 +432,24 @@ class BatchQueue:
                 return f"worker {worker} holds {held} leases"
             if self.version < 1:
                 return "no weights published yet"
-            if len(self._leases) + len(self._queue) >= ahead * self.bps + self.bps - self._taken:
+            if len(self._leases) + len(self._queue) >= (ahead + 1) * self.bps - self._taken:
                 return "no room: a batch started now would wait, or be too stale"
             lid = secrets.token_hex(16)
             self._leases[lid] = [self.version, worker, now + self.lease_timeout, now]
             return lid, self.version
 
-    def renew(self, lid: str) -> bool:
+    def renew(self, lid: str):
         with self._cv:
-            now = time.monotonic()
-            self._expire(now)
-            if lid in self._leases:
-                self._leases[lid][2] = now + self.lease_timeout
-            return lid in self._leases
+            self._expire()
+            if lid not in self._leases:
+                raise Rejected(409, "lease unknown, expired or used: its batch would be refused")
+            self._leases[lid][2] = time.monotonic() + self.lease_timeout
 
     def accept(self, batch: Batch, lid: str) -> int:   # -> batches queued; the lease is used up
         with self._cv:
             if not 1 <= batch.version <= self.version:
                 raise ValueError(f"batch version {batch.version} is outside [1, {self.version}] (current)")
-            self._expire(time.monotonic())
+            self._expire()
             lease = self._leases.get(lid)
             if lease is None:
                 raise Rejected(409, "lease unknown, expired or already used: ask POST /lease again")
@@ -503,7 +498,7 @@ class TrainerServer(WireServer, BatchQueue):
         if adapter_files:
             blobs["adapter"] = pack_adapter(adapter_files)
         with self._cv:
-            if not (isinstance(version, int) and version > max(self.version, 0)):
+            if not (isinstance(version, int) and version > self.version):
                 raise ValueError(f"publish version {version!r}: versions start at 1 and only increase "
                                  f"({self.version})")
             self.names, self._blobs = describe(tensors), blobs
@@ -530,7 +525,7 @@ class TrainerServer(WireServer, BatchQueue):
         ms). Room opens on the trainer's thread (a publish, a batch taken, an expiry): a waiting lease looks
         again every POLL_S s, and hears a finish() there too."""
         worker, wait = query.get("worker", ""), query.get("wait", "")
-        if not (worker.isascii() and worker.isalnum() and len(worker) <= 64):
+        if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
             raise Rejected(400, f"POST /lease?worker=ID needs an ID of 1-64 letters and digits, got "
                                 f"{worker[:80]!r}")
         wait_s = min(int(wait), self.timeout / 2) if wait.isdecimal() else 0
@@ -547,13 +542,11 @@ class TrainerServer(WireServer, BatchQueue):
         return {"run": self.run, "version": lease[1], "lease": lease[0], "renew_s": self.lease_timeout / 5}
 
     def _renew(self, query, body):
-        if not self.renew(query.get("lease", "")):
-            raise Rejected(409, "lease unknown, expired or used: its batch would be refused")
+        self.renew(query.get("lease", ""))
         return {"run": self.run}
 
     def _submit(self, query, body):
-        """400 (counted: refused) for a batch this run cannot use, 409 for another run's or a lease not
-        held."""
+        """400 (counted: refused) for a batch this run cannot use; 409: another run's, or a lease not held."""
         try:
             batch, meta = batch_from_bytes(body, self.limits)
             if meta["run"] != self.run:
@@ -582,10 +575,10 @@ class TrainerClient:
 
     def _call(self, method: str, path: str, body: bytes | None = None, patience: float | None = None):
         """-> the answer's bytes, or its JSON."""
-        start, attempt, patience = time.monotonic(), 0, self.patience if patience is None else patience
-        while attempt == 0 or time.monotonic() - start < patience:
+        patience = self.patience if patience is None else patience
+        deadline = time.monotonic() + patience
+        for attempt in itertools.count():
             time.sleep(min(self.backoff * (2 ** attempt - 1), 8.0))     # 0, 1, 3, 7, .. x backoff, capped
-            attempt += 1
             try:
                 with self._open(urllib.request.Request(self.url + path, body, self.auth, method=method),
                                 timeout=self.timeout) as r:
@@ -594,11 +587,12 @@ class TrainerClient:
             except urllib.error.HTTPError as e:     # ours are JSON
                 extra = json.loads(e.read()) if e.headers.get_content_type() == "application/json" else {}
                 raise Rejected(e.code, str(extra.pop("error", e.reason)), **extra) from None
-            except (urllib.error.URLError, OSError, HTTPException) as e:
+            except (OSError, HTTPException) as e:   # URLError is an OSError
                 if self.finished:                   # closed after saying so: no patience to wait out
                     raise Rejected(410, self.finished) from None
-                err = e
-        raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({err}): the trainer is gone")
+                if time.monotonic() >= deadline:
+                    raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({e}): the trainer "
+                                      f"is gone") from None
 
     def version(self) -> int:
         return self._call("GET", "/version")["version"]
@@ -607,8 +601,7 @@ class TrainerClient:
         return self._call("GET", "/info", patience=patience)
 
     def check(self, fingerprint: dict, names: dict) -> dict:
-        """Refuse to work for a trainer with other task/split settings or weights (names:
-        describe(params))."""
+        """Refuse to work for a trainer of other task/split settings or weights (names: describe(params))."""
         info, diff = self.info(), []
         for what, theirs, ours in (("setting", info["fingerprint"], fingerprint),
                                    ("weight", info["names"], names)):
@@ -640,9 +633,8 @@ class TrainerClient:
 
     @contextlib.contextmanager
     def keep_alive(self, lease_id: str):
-        """Renew the lease every renew_s s from a thread while the body runs (pull weights, generate,
-        submit): a worker that dies or is killed stops renewing, and the trainer frees its slot within
-        seconds."""
+        """Renew the lease every renew_s s from a thread while the body runs (pull weights, generate, submit):
+        a worker that dies or is killed stops renewing, and the trainer frees its slot within seconds."""
         done = threading.Event()
 
         def beat():
@@ -650,7 +642,8 @@ class TrainerClient:
                 try:
                     self._call("POST", f"/renew?lease={lease_id}", b"", patience=0)
                 except Rejected as e:               # expired or useless now: the submit will say so
-                    self.finished = e.body["error"] if e.status == 410 else self.finished
+                    if e.status == 410:
+                        self.finished = e.body["error"]
                     return
                 except TrainerGone:
                     pass                            # the main thread finds out on its next call

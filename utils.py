@@ -7,85 +7,74 @@ import csv
 import datetime
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 # ---- masked reductions (padding stays exactly 0) ----
 
 def masked_sum(x, mask, dim=None):
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    return (x * mask).sum(dim)
 
 
 def masked_mean(x, mask, dim=None):
     """Mean over mask == 1. An empty mask gives 0, not NaN (documented, tested)."""
-    return masked_sum(x, mask, dim) / (mask.sum() if dim is None else mask.sum(dim)).clamp(min=1)
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
 def whiten(x, mask, eps=1e-8):
     """(x - mean) / std over the masked entries of every rank; padding stays 0."""
-    n, s = all_sum(mask.sum()), all_sum(masked_sum(x, mask))
-    mean = s / n.clamp(min=1)
-    var = all_sum(masked_sum((x - mean) ** 2, mask)) / n.clamp(min=1)
+    n = all_sum(mask.sum()).clamp(min=1)
+    mean = all_sum(masked_sum(x, mask)) / n
+    var = all_sum(masked_sum((x - mean) ** 2, mask)) / n
     return (x - mean) / (var.sqrt() + eps) * mask
 
 
 # ---- returns and GAE: truncation bootstraps from V(final state), termination does not ----
 
-def discounted_returns(rewards, mask, gamma, bootstrap=None):
-    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap (0 if terminated).
-    rewards, mask [N, T]; bootstrap [N] or None -> [N, T]."""
-    N, T = rewards.shape
-    boot = torch.zeros(N) if bootstrap is None else bootstrap
-    ret, nxt = torch.zeros_like(rewards), boot
-    for t in reversed(range(T)):
-        has_next = mask[:, t + 1] if t + 1 < T else torch.zeros(N)
-        nxt = rewards[:, t] + gamma * torch.where(has_next > 0, nxt, boot)
-        ret[:, t] = nxt * mask[:, t]
-    return ret                                                               # [N, T]
-
-
 def gae(rewards, values, mask, gamma, lam, bootstrap=None):
     """A_t = delta_t + gamma*lam*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t (Schulman 2016).
     After a row's last step V_{t+1} = bootstrap (V(final state) if truncated, 0 if terminated)
     and A_{t+1} = 0. rewards, values, mask [N, T]; bootstrap [N] or None -> [N, T]."""
-    N, T = rewards.shape
-    boot = torch.zeros(N) if bootstrap is None else bootstrap
-    adv, last = torch.zeros_like(rewards), torch.zeros(N)
-    for t in reversed(range(T)):
-        has_next = mask[:, t + 1] if t + 1 < T else torch.zeros(N)
-        v_next = torch.where(has_next > 0, values[:, t + 1] if t + 1 < T else boot, boot)  # [N]
-        delta = rewards[:, t] + gamma * v_next - values[:, t]
-        last = (delta + gamma * lam * last * has_next) * mask[:, t]
+    boot = 0.0 if bootstrap is None else bootstrap[:, None]
+    has_next = F.pad(mask[:, 1:], (0, 1))                                   # [N, T]: step t+1 is real
+    v_next = torch.where(has_next > 0, F.pad(values[:, 1:], (0, 1)), boot)  # [N, T]
+    delta = rewards + gamma * v_next - values                                # [N, T]
+    adv, last = torch.zeros_like(rewards), 0.0
+    for t in reversed(range(rewards.shape[1])):
+        last = (delta[:, t] + gamma * lam * last) * mask[:, t]              # so A_{t+1} is 0 past a row's end
         adv[:, t] = last
     return adv                                                               # [N, T]
 
 
+def discounted_returns(rewards, mask, gamma, bootstrap=None):
+    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap (0 if terminated).
+    That is GAE with V = 0 and lam = 1. rewards, mask [N, T]; bootstrap [N] or None -> [N, T]."""
+    return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0, bootstrap)
+
+
 class Adam:
-    """Adam (Kingma & Ba 2015), per parameter group, for control tasks. Not torch.optim.Adam because
-    its constructor imports torch._dynamo: 1.3 s on these 2 cores, a third of a CartPole run (measured).
-    LLMs use torch's fused Adam: there the import is noise and one fused pass over the weights counts."""
+    """Adam (Kingma & Ba 2015) for control tasks: torch.optim.Adam's constructor imports torch._dynamo,
+    1.3 s on these 2 cores, a third of a CartPole run (measured). LLMs use torch's fused Adam (train.py)."""
 
     def __init__(self, groups: list[list[torch.Tensor]], lr, betas=(0.9, 0.999), eps=1e-8):
-        self.groups, self.lr, self.betas, self.eps, self.t = groups, lr, betas, eps, 0
-        self.m = [torch.zeros_like(p) for g in groups for p in g]           # fp32, like the params
-        self.v = [torch.zeros_like(p) for g in groups for p in g]
-
-    def params(self):
-        return [p for g in self.groups for p in g]
+        self.params = [p for g in groups for p in g]                        # one lr for every group
+        self.lr, self.betas, self.eps, self.t = lr, betas, eps, 0
+        self.m = [torch.zeros_like(p) for p in self.params]                 # fp32, like the params
+        self.v = [torch.zeros_like(p) for p in self.params]
 
     def zero_grad(self):
-        for p in self.params():
+        for p in self.params:
             p.grad = None
 
     @torch.no_grad()
     def step(self):
         """p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat, v_hat the bias-corrected moments."""
         (b1, b2), self.t = self.betas, self.t + 1
-        for p, m, v in zip(self.params(), self.m, self.v):
+        for p, m, v in zip(self.params, self.m, self.v):
             if p.grad is not None:
                 m.lerp_(p.grad, 1 - b1)                                      # m = b1 m + (1-b1) g
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)            # v = b2 v + (1-b2) g^2
@@ -97,9 +86,8 @@ class Adam:
 
     def load_state_dict(self, state):
         self.t = state["t"]
-        for mine, saved in ((self.m, state["m"]), (self.v, state["v"])):
-            for a, b in zip(mine, saved, strict=True):
-                a.copy_(b)
+        for mine, saved in zip(self.m + self.v, state["m"] + state["v"], strict=True):
+            mine.copy_(saved)
 
 
 # ---- torch.distributed: torchrun sets RANK / WORLD_SIZE; gloo on CPU, nccl on GPU ----
@@ -117,14 +105,12 @@ def local_device(is_llm: bool) -> torch.device:
 
 
 def init_distributed(timeout: float = 1800.0, backend: str = "", llm: bool = False):
-    """-> (rank, world_size). One process without torchrun's environment.
-
-    One process group, two backends: gloo for CPU tensors (the scalar statistics and objects every rank
-    sums or scatters), NCCL for CUDA tensors (gradients, weights). An NCCL-only group cannot reduce a CPU
-    tensor, so every such collective failed at the first step on GPUs. timeout (s) must outlast the
-    longest wait of one rank on another (rank 0 waiting --batch-timeout for workers' batches), or
-    NCCL's watchdog (10 min by default) kills the waiting ranks. CUDA only for an LLM policy (llm)."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+    """-> (rank, world_size); (0, 1) without torchrun's environment. One group, two backends: gloo for
+    CPU tensors (scalar statistics, objects), NCCL for CUDA ones (gradients, weights): an NCCL-only group
+    cannot reduce a CPU tensor, so every such collective failed at the first step on GPUs. timeout (s)
+    must outlast the longest wait of one rank on another (rank 0 waiting --batch-timeout for workers'
+    batches), or NCCL's watchdog (10 min by default) kills the waiting ranks. CUDA only if llm."""
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1
     if not dist.is_initialized():
         device = local_device(llm)
@@ -180,7 +166,6 @@ class Logger:
     def open_csv(self, path, columns, keep_until=None):
         """keep_until (resuming): keep the rows of steps <= keep_until, drop the later ones (they are
         trained again), so the CSV has one row per step however often the run was interrupted."""
-        self.columns = columns
         if not self.enabled:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -198,9 +183,8 @@ class Logger:
         self.csv = csv.DictWriter(self.file, columns)
 
     def log(self, row):
-        assert set(row) <= set(self.columns), f"not a CSV column: {set(row) - set(self.columns)}"
         if self.file:
-            self.csv.writerow({k: row.get(k, "") for k in self.columns})
+            self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
             self.file.flush()
 
     def progress(self, row, keys, steps, sec_per_step):
@@ -214,4 +198,4 @@ class Logger:
 
     def info(self, msg):
         if self.enabled:
-            print(msg, file=sys.stdout, flush=True)
+            print(msg, flush=True)

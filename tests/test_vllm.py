@@ -299,8 +299,9 @@ def test_trainer_and_a_vllm_worker_keep_the_gap_below_1e_3(vllm_cpu, smollm2, tm
     worker = launch(["--role", "rollout", "--vllm", "--trainer-url", f"http://127.0.0.1:{port}", "--trainer-patience", 10,
                      *common], tmp_path / "worker.log", tmp_path / "w")
     try:
-        assert trainer.wait(600) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        assert worker.wait(120) == 0, (tmp_path / "worker.log").read_text()[-3000:]
+        logs = lambda: "".join(f"\n--- {n}.log:\n" + (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("trainer", "worker"))
+        assert trainer.wait(600) == 0, logs()
+        assert worker.wait(120) == 0, logs()
     finally:
         for p in (trainer, worker):
             p.kill()
