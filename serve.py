@@ -8,7 +8,6 @@ The wire carries safetensors and JSON, never a pickle; one event loop serves eve
 import asyncio
 import bisect
 import contextlib
-import gc
 import hmac
 import itertools
 import json

@@ -41,7 +41,7 @@ def test_imports_point_one_way(name):
 # code tokens exclude comments and docstrings, so an explaining comment is free and a joined line saves
 # nothing). Lower a number as the code shrinks; never raise one. The budget they head for: 19,000 tokens,
 # 2,000 non-blank lines, 110 characters, functions <= 60 lines (train() excepted), classes <= 150.
-RATCHET = {"tokens": 22441, "nonblank": 2375, "width": 110, "func": 60, "class": 144}
+RATCHET = {"tokens": 22439, "nonblank": 2374, "width": 110, "func": 60, "class": 144}
 
 
 def code_tokens(src: str) -> int:
