@@ -7,7 +7,8 @@ Shapes, used everywhere:  N = n_prompts * G rows, G = group_size, T = padded len
 O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch.
 Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
 LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
-mask 1 on completion tokens (stop token included); the scalar reward sits on the last one.
+mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. A tool's reply
+inside a completion (--max-tool-calls) is context: its ids are in states, with mask 0 and logp 0.
 """
 from dataclasses import dataclass, fields, replace
 
@@ -39,7 +40,7 @@ class Batch:
     version: int = 0                # weights version that sampled this batch (async)
 
     @staticmethod
-    def from_groups(groups: list[list[Trajectory]], version: int = 0) -> "Batch":
+    def from_groups(groups, version=0):
         G = len(groups[0])
         assert all(len(g) == G for g in groups), "every group needs the same size"
         rows = [tr for g in groups for tr in g]
@@ -56,34 +57,40 @@ class Batch:
             final_states=torch.stack([tr.final_state for tr in rows]) if has_final else None,
             group_size=G, version=version)
 
-    def __len__(self) -> int:
+    def __len__(self):
         return self.actions.shape[0]
 
     @property
-    def n_prompts(self) -> int:
+    def n_prompts(self):
         return len(self) // self.group_size
 
-    def _map(self, fn) -> "Batch":
+    def _map(self, fn):
         """Apply fn to every tensor field (all of them are per-row), keep the rest."""
         return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})
 
-    def to(self, device) -> "Batch":
+    def to(self, device):
         return self._map(lambda x: x.to(device))
 
-    def __getitem__(self, rows: slice) -> "Batch":
+    def __getitem__(self, rows):
         return self._map(lambda x: x[rows])
 
-    def micro_batches(self, size: int) -> list[slice]:
+    def micro_batches(self, size):
         """Row slices of at most `size` rows (0: one slice). Slice the batch and its advantages alike."""
         size = size or len(self)
         return [slice(i, i + size) for i in range(0, len(self), size)]
 
-    def row_rewards(self) -> torch.Tensor:
+    def row_rewards(self):
         return self.rewards.sum(1)                                          # [N]
 
-    def grouped_rewards(self) -> torch.Tensor:
+    def grouped_rewards(self):
         return self.row_rewards().view(self.n_prompts, self.group_size)     # [n_prompts, G]
 
-    def lengths(self) -> torch.Tensor:
+    def lengths(self):
         return self.mask.sum(1)                                             # [N]
+
+    def tool_replies(self):
+        """Tool replies inserted in each row: its mask's runs of 0s between runs of 1s (prompt and padding
+        are not between)."""
+        starts = self.mask.diff(1, prepend=torch.zeros_like(self.mask[:, :1])) > 0    # [N, T] a run begins
+        return starts.sum(1) - 1                                                      # [N]

@@ -37,7 +37,7 @@ class MLPPolicy(nn.Module):
         self.ref = copy.deepcopy(self.actor).requires_grad_(False) if reference else None
 
     @torch.no_grad()
-    def act(self, obs: np.ndarray, greedy=False):
+    def act(self, obs, greedy=False):
         """obs [N, O] -> actions [N] int64, sampler log-probs [N] float32 (numpy, for the env)."""
         logp = torch.log_softmax(self.actor(torch.from_numpy(obs)), -1)      # [N, A]
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]  # [N]
@@ -68,10 +68,10 @@ class _Text:
     """encode/decode, shared by HFPolicy and VLLMGenerator (each holds .tok and .thinking): trainer and
     worker must see the same prompt ids."""
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt):
         return encode_prompt(self.tok, prompt, self.thinking)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
@@ -126,21 +126,27 @@ class HFPolicy(_Text, nn.Module):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     @torch.no_grad()
-    def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
-        """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)]."""
+    def act(self, prompt_ids, group_size, greedy=False, tools=None):
+        """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], sampled [C],
+        truncated)]; tools: see tasks.LLMTask."""
         rows = [p for p in prompt_ids for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
-                    for s in self._generate(rows[i:i + self.gen_batch], greedy)]
+                    for s in self._generate(rows[i:i + self.gen_batch], greedy, tools)]
 
-    def _generate(self, rows, greedy):
+    def _generate(self, rows, greedy, tools):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens. Each distinct prompt
-        is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s)."""
+        is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
+        A tool's reply is fed one id per decode step in place of a sample (its logits unused), so rows stay
+        in lockstep and the cache valid; its ids are the tokenizer's for the reply alone, never a re-encoding
+        of the decoded text (which can merge tokens across the boundary and change the log-probs)."""
         uniq, inv = _distinct(rows, self.device)                                          # inv [B]
         ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
         eos = torch.tensor(self.eos, device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        cache, toks, logps = None, [], []
+        cache, toks, logps, fed = None, [], [], []
+        # per row: its completion's ids, where its text since its last call starts, reply ids still to feed
+        completions, since, replies = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
         while len(toks) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self.cache_key: cache})
@@ -150,14 +156,22 @@ class HFPolicy(_Text, nn.Module):
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
+            replying = torch.tensor([bool(r) for r in replies], device=self.device)       # [B] fed a reply id
+            if any(replies):
+                nxt[replying] = torch.tensor([r.pop(0) for r in replies if r], device=self.device)
             toks.append(torch.where(done, self.pad, nxt))
-            logps.append(logp.gather(1, nxt[:, None])[:, 0])
-            done = done | torch.isin(nxt, eos)
+            logps.append(torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]))
+            fed.append(replying)
+            done = done | (torch.isin(nxt, eos) & ~replying)
+            if tools:
+                self._call_tools(tools, nxt.tolist(), replying.tolist(), done.tolist(), completions, since,
+                                 replies)
             ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-        toks, logps = torch.stack(toks, 1).cpu(), torch.stack(logps, 1).cpu()             # [B, C]
-        hit = torch.isin(toks, eos.cpu())
+        toks, logps, fed = (torch.stack(x, 1).cpu() for x in (toks, logps, fed))          # [B, C] each
+        hit = torch.isin(toks, eos.cpu()) & ~fed
         stopped = hit.any(1)                                                              # [B]
-        length = torch.where(stopped, hit.int().argmax(1) + 1, toks.shape[1])             # stop token kept
+        # stop token kept; a row cut inside a reply ends at its call (the rest of the reply trains nothing)
+        length = torch.where(stopped, hit.int().argmax(1) + 1, toks.shape[1] - fed.flip(1).int().argmin(1))
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
         bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])).any(0)   # [C]
         if bad.any():
@@ -165,8 +179,22 @@ class HFPolicy(_Text, nn.Module):
             raise ValueError(f"non-finite logits at decode step {step} (0 = the first new token), computing "
                              f"in {self.dtype}: float16 overflows, so use --dtype bfloat16 or float32; if it "
                              f"persists, the weights hold NaN or inf")
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), not stopped[b].item())
+        return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped[b].item())
                 for b, n in enumerate(length.tolist())]
+
+    def _call_tools(self, tools, nxt, replying, done, completions, since, replies):
+        """A row whose text since its last call has just written tools.tool_stop gets tools.reply(its whole
+        completion's text) queued, as ids. vLLM stops on that string in a request's new text: the same
+        test."""
+        for b, token in enumerate(nxt):
+            if done[b]:
+                continue
+            completions[b].append(token)
+            if replying[b]:
+                since[b] = len(completions[b])
+            elif tools.tool_stop in self.decode(completions[b][since[b]:]):
+                since[b], reply = len(completions[b]), tools.reply(self.decode(completions[b]))
+                replies[b] = self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
 
     def logprobs(self, batch, entropy=False, entropy_grad=False):
         return self._logprobs(self.model, batch, entropy, entropy_grad)
@@ -323,7 +351,7 @@ def _row_entropy(logits, temperature):
     return -(lp.exp() * lp).sum(-1)                                                 # [K]
 
 
-def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
+def encode_prompt(tok, prompt, thinking):
     """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
     if tok.chat_template:
         return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -331,32 +359,31 @@ def encode_prompt(tok, prompt: str, thinking: bool) -> list[int]:
     return tok(prompt)["input_ids"]
 
 
-def stop_ids(tok, generation_eos) -> list[int]:
+def stop_ids(tok, generation_eos):
     """Every EOS id the model declares: the tokenizer's and generation_config's (Qwen lists 2)."""
     listed = generation_eos if isinstance(generation_eos, list) else [generation_eos]
     return sorted({tok.eos_token_id, *listed} - {None})
 
 
-def vllm_samples(outputs, eos_ids) -> list[tuple]:
-    """vLLM RequestOutputs (one per prompt, its n samples together) -> HFPolicy.act's list, prompt-major:
-    (completion [C] with the stop token kept, sampler log-probs [C], truncated). vLLM keeps the stop token
-    in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is
-    "no stop token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop
-    token drawn as the last allowed token said "length"."""
+def vllm_samples(outputs, eos_ids, tool_stop=None):
+    """vLLM RequestOutputs (one per prompt, its n samples together) -> prompt-major lists of [completion ids
+    with the stop token kept, sampler log-probs, truncated, called]. vLLM keeps the stop token in token_ids
+    (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is "no stop
+    token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop token
+    drawn as the last allowed token said "length". called: it stopped on the tool's string (kept)."""
     samples = []
     for request in outputs:
         for out in request.outputs:
             ids = list(out.token_ids)
-            stopped = bool(ids) and ids[-1] in eos_ids
-            assert stopped or out.finish_reason == "length", \
+            stopped, called = bool(ids) and ids[-1] in eos_ids, tool_stop and out.stop_reason == tool_stop
+            assert stopped or called or out.finish_reason == "length", \
                 f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
             logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]  # {token id: Logprob}
-            samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
-                            not stopped))
+            samples.append([ids, logp, not stopped, bool(called)])
     return samples
 
 
-def vllm_max_model_len(config, prompt_len: int, max_new_tokens: int) -> int:
+def vllm_max_model_len(config, prompt_len, max_new_tokens):
     """The longest prompt plus the completion budget, within the model's positions (vLLM refuses more)."""
     positions, need = config.get_text_config().max_position_embeddings, prompt_len + max_new_tokens
     if need > positions:
@@ -417,10 +444,10 @@ class VLLMGenerator(_Text):
                        enforce_eager=cpu,   # CPU: torch.compile cost ~30 s and decoded no faster (SmolLM2)
                        logprobs_mode="processed_logprobs", max_logprobs=1, generation_config="vllm")
 
-    def adapter_dir(self, version: int) -> str:
+    def adapter_dir(self, version):
         return os.path.join(self.adapters, f"v{version}")
 
-    def load_adapter(self, version: int, path: str, run: str = ""):
+    def load_adapter(self, version, path, run=""):
         """Serve `version`'s adapter (a PEFT directory, e.g. adapter_dir(version)) from now on, and delete the
         older versions' folders: act() is synchronous, so none of their requests is in flight. vLLM caches
         adapters by id, so every load gets a new one (0 is reserved), named by (run, version): a trainer
@@ -434,21 +461,48 @@ class VLLMGenerator(_Text):
             if not os.path.samefile(folder, path):
                 shutil.rmtree(folder)
 
-    def act(self, prompt_ids: list[list[int]], group_size: int, greedy=False):
-        """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], truncated)].
-        vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the prompt is repeated instead.
-        Seeds come from torch's RNG, which a worker seeds per lease (as for HFPolicy): two workers draw
-        different samples. vLLM seeds sample j of a request with seed + j, so requests are n apart."""
-        from vllm import SamplingParams
+    def act(self, prompt_ids, group_size, greedy=False, tools=None):
+        """HFPolicy.act's contract. vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the
+        prompt is repeated instead. Seeds come from torch's RNG, which a worker seeds per lease (as for
+        HFPolicy): two workers draw different samples. vLLM seeds sample j of a request with seed + j, so
+        requests are n apart. Tools, token in, token out: a request stops after tools.tool_stop, the reply's
+        ids are appended and a new request goes on from the ids, as HFPolicy feeds them."""
         n, copies = (1, group_size) if greedy else (group_size, 1)
-        prompts = [{"prompt_token_ids": p} for p in prompt_ids for _ in range(copies)]    # a TokensPrompt
+        rows = [p for p in prompt_ids for _ in range(copies)]
+        samples = self._generate(rows, n, [self.max_new_tokens] * len(rows), greedy, tools)
+        prompts = [p for p in rows for _ in range(n)]                                   # each sample's
+        for sample in samples:
+            sample.insert(2, [True] * len(sample[0]))               # [ids, logp, sampled, truncated, called]
+        while tools and (calls := [k for k, s in enumerate(samples) if s[4]]):
+            todo = []
+            for k in calls:
+                ids, logp, sampled, _, _ = samples[k]
+                reply = tools.reply(self.decode(ids))
+                reply = self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+                samples[k][4] = len(ids) + len(reply) < self.max_new_tokens   # else it ends at its call
+                if samples[k][4]:
+                    samples[k][:3] = ids + reply, logp + [0.0] * len(reply), sampled + [False] * len(reply)
+                    todo.append(k)
+            more = self._generate([prompts[k] + samples[k][0] for k in todo], 1,
+                                  [self.max_new_tokens - len(samples[k][0]) for k in todo], greedy, tools)
+            for k, (ids, logp, truncated, called) in zip(todo, more):
+                samples[k] = [samples[k][0] + ids, samples[k][1] + logp, samples[k][2] + [True] * len(ids),
+                              truncated, called]
+        return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
+                 torch.tensor(sampled), truncated) for ids, logp, sampled, truncated, _ in samples]
+
+    def _generate(self, prompt_ids, n, max_tokens, greedy, tools):
+        """One vLLM call: n samples of prompt i (token ids) of at most max_tokens[i] tokens each."""
+        from vllm import SamplingParams
         seed = None if greedy else int(torch.randint(2**30, ()))
         params = [SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                 max_tokens=self.max_new_tokens,  # the default is 16
+                                 max_tokens=m,                # the default is 16
                                  logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
-                                 seed=None if greedy else seed + i * n) for i in range(len(prompts))]
+                                 stop=[tools.tool_stop] if tools else None, include_stop_str_in_output=True,
+                                 seed=None if greedy else seed + i * n) for i, m in enumerate(max_tokens)]
+        prompts = [{"prompt_token_ids": p} for p in prompt_ids]                          # TokensPrompts
         outputs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
-        return vllm_samples(outputs, self.eos)
+        return vllm_samples(outputs, self.eos, tools and tools.tool_stop)
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):

@@ -40,7 +40,7 @@ POLL_S = 0.02                                       # s between a waiting lease'
 class Rejected(Exception):
     """An HTTP error answer: raised by the endpoints, and by the client when the trainer sends one."""
 
-    def __init__(self, status: int, reason: str, **extra):
+    def __init__(self, status, reason, **extra):
         super().__init__(f"{status}: {reason}")
         self.status, self.body = status, {"error": reason, **extra}
 
@@ -51,11 +51,11 @@ class TrainerGone(ConnectionError):
 
 # ---- serialization: safetensors bytes, metadata in the header's string -> string map ----
 
-def tensors_to_bytes(tensors: dict, metadata: dict | None = None) -> bytes:
+def tensors_to_bytes(tensors, metadata=None):
     return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
 
 
-def tensors_from_bytes(data: bytes) -> tuple[dict, dict]:
+def tensors_from_bytes(data):
     """-> (tensors, metadata). Malformed input of any kind raises ValueError; nothing is unpickled."""
     try:
         tensors = safetensors.torch.load(data)      # checks header length, offsets, sizes against the bytes
@@ -65,24 +65,24 @@ def tensors_from_bytes(data: bytes) -> tuple[dict, dict]:
     return tensors, header.get("__metadata__") or {}
 
 
-def describe(tensors: dict) -> dict:
+def describe(tensors):
     """{name: [shape, dtype]}: what trainer and worker compare before they agree to work together."""
     return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
 
 
-def batch_to_bytes(batch: Batch, lease: str, run: str) -> bytes:
+def batch_to_bytes(batch, lease, run):
     tensors = {f: v for f, v in vars(batch).items() if isinstance(v, torch.Tensor)}
     meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size)}
     return tensors_to_bytes(tensors, meta)
 
 
-def batch_from_bytes(data: bytes, limits: dict) -> tuple[Batch, dict]:
+def batch_from_bytes(data, limits):
     """The one gate: bytes -> (a Batch this run could have produced, metadata), or a ValueError naming the
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
     assert). prompt_len 0: a control task; max_len: completion tokens (control: steps); obs_dim 0: tokens."""
     t, meta = tensors_from_bytes(data)
-    G, P, prompt, L, A, O = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len",
-                                                 "n_actions", "obs_dim"))
+    G, P, prompt, L, A, O, tools = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len",
+                                                        "n_actions", "obs_dim", "tool_calls"))
     (lo, hi), llm, N, version = limits["reward"], prompt > 0, G * P, meta.get("version", "")
     if not (version.removeprefix("-").isdecimal() and meta.get("lease")
             and meta.get("run") and meta.get("group_size") == str(G)):
@@ -109,26 +109,29 @@ def batch_from_bytes(data: bytes, limits: dict) -> tuple[Batch, dict]:
                          f"T {T} is over this task's {L} steps")
     if not torch.equal(t["group_id"], torch.arange(P).repeat_interleave(G)):      # [N] 0, 0, .., 1, 1, ..
         raise ValueError("group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous")
-    m, steps = t["mask"], torch.arange(T)
-    start, n = (m.cumsum(1) == 0).sum(1), m.sum(1)   # [N] first trained position, length (if m is a run)
-    run = (steps >= start[:, None]) & (steps < (start + n)[:, None])      # [N, T] what the mask must be
-    if not (torch.equal(m, run.float()) and n.min() >= 1 and n.max() <= L and start.min() >= llm
-            and start.max() <= prompt):                                     # control: from step 0
-        raise ValueError(f"each row's mask must be 0/1: one contiguous run of 1s, at least one long, that "
-                         f"must start after its prompt ({int(llm)}..{prompt} tokens) and cover <= {L}")
+    batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
+    m, steps, replies = t["mask"], torch.arange(T), batch.tool_replies()                  # replies [N]
+    # [N] each row's trained span [start, end)
+    start, end = (m.cumsum(1) == 0).sum(1), T - (m.flip(1).cumsum(1) == 0).sum(1)
+    # a completion: 1s, with a run of 0s for each tool reply inserted (--max-tool-calls), and nothing else
+    if not (((m == 0) | (m == 1)).all() and m.sum(1).min() >= 1 and replies.max() <= tools
+            and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
+        raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
+                         f"tokens) and span <= {L}, with runs of 0s inside only for tool replies, at most "
+                         f"{tools} (--max-tool-calls)")
     a = t["actions"]
     if a.min() < 0 or a.max() >= A or (llm and not torch.equal(a, s)):
         raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
                          f"action ids must be in [0, {A})")
     R = t["rewards"].sum(1)                                             # [N]
-    where = steps == (start + n - 1)[:, None] if llm else run      # [N, T] where rewards may sit
+    where = steps == (end - 1)[:, None] if llm else m.bool()       # [N, T] where rewards may sit
     if (t["rewards"][~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
         raise ValueError("rewards must sit on the " + ("last completion token" if llm else "masked steps")
                          + f" and total within this task's [{lo:g}, {hi:g}] per row")
-    return Batch(**{"final_states": None, **t}, group_size=G, version=int(version)), meta
+    return batch, meta
 
 
-def max_batch_bytes(limits: dict) -> int:
+def max_batch_bytes(limits):
     """The largest body a batch of this run can be: [N, T] and [N] fields at wire dtypes, a 16 KiB header."""
     N, O = limits["group_size"] * limits["n_prompts"], limits["obs_dim"]
     T = limits["prompt_len"] + limits["max_len"]
@@ -142,7 +145,7 @@ def max_batch_bytes(limits: dict) -> int:
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def pack_adapter(files: dict[str, bytes]) -> bytes:
+def pack_adapter(files):
     """The two ADAPTER_FILES out of what PEFT's save_pretrained wrote (it adds a README.md: left out)."""
     if missing := [n for n in ADAPTER_FILES if n not in files]:
         raise ValueError(f"adapter files {missing} missing from {sorted(files)[:5]}: save the adapter with "
@@ -151,7 +154,7 @@ def pack_adapter(files: dict[str, bytes]) -> bytes:
                              for n in ADAPTER_FILES})
 
 
-def unpack_adapter(data: bytes, dest_dir: str) -> str:
+def unpack_adapter(data, dest_dir):
     """Write the two ADAPTER_FILES into dest_dir; anything else, and nothing is written."""
     files = tensors_from_bytes(data)[0]
     if set(files) != set(ADAPTER_FILES) or any(t.dtype != torch.uint8 or t.ndim != 1 for t in files.values()):
@@ -170,11 +173,11 @@ class Snapshots(dict):
     """version -> trainable tensors, of the last k + 1 versions, on every trainer rank: step s trains on a
     batch sampled at s - k .. s, whose old log-probs need its exact weights; s + 1 is added after step s."""
 
-    def __init__(self, max_staleness: int):
+    def __init__(self, max_staleness):
         super().__init__()
         self.keep = max_staleness + 1
 
-    def add(self, version: int, tensors: dict) -> dict:
+    def add(self, version, tensors):
         # copy=True is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the optimizer
         # then changes under the snapshot; .cpu().clone() copied GPU tensors twice
         self[version] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
@@ -194,7 +197,7 @@ class WireServer:
     the client took no byte of it for `timeout` s. Once `gone` says why, every request with the token gets
     a 410 saying it."""
 
-    def __init__(self, token: str, routes: dict, max_body: int, host: str, port: int, timeout: float):
+    def __init__(self, token, routes, max_body, host, port, timeout):
         if not token:
             raise ValueError("the trainer server needs a shared token: set NANORL_TOKEN to the same random "
                              "string (python -c 'import secrets; print(secrets.token_hex(16))') on every "
@@ -274,7 +277,7 @@ class WireServer:
         except (OSError, asyncio.TimeoutError):
             pass
 
-    async def _send(self, writer, data: bytes):
+    async def _send(self, writer, data):
         """In CHUNKs (the transport copied a whole blob it could not send at once); cut only once stalled."""
         view = memoryview(data)
         for i in range(0, len(view), CHUNK):
@@ -341,7 +344,7 @@ class BatchQueue:
     lease_life s, or whose batch could only arrive stale is gone, and no step waits for it.
     """
 
-    def __init__(self, max_staleness: int, batches_per_step: int, lease_timeout: float, lease_life: float):
+    def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
         self.lease_timeout, self.lease_life, self.version = lease_timeout, lease_life, 0
@@ -354,18 +357,18 @@ class BatchQueue:
                                       "wrong_run leases_refused leases_expired".split(), 0)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
 
-    def count(self, name: str, n: int = 1):
+    def count(self, name, n=1):
         with self._cv:
             self.counters[name] += n
 
-    def new_version(self, version: int):                # a publish: time per version; nothing taken yet
+    def new_version(self, version):  # a publish: time per version; nothing taken yet
         with self._cv:
             now = time.monotonic()
             self._step_s, self._published = now - self._published if self.version else 1.0, now
             self.version, self._taken = version, 0
             self._expire()                          # leases whose batch can only arrive stale now
 
-    def put(self, batch: Batch):
+    def put(self, batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
         is next to be dropped anyway. Leased submits never fill the queue: this is the net for put()."""
         with self._cv:
@@ -377,7 +380,7 @@ class BatchQueue:
             self.count("received")
             self._cv.notify_all()
 
-    def next_batches(self, n: int, current_version: int, timeout: float) -> list[Batch]:
+    def next_batches(self, n, current_version, timeout):
         """n usable batches, lowest version first; those with current_version - v > k are dropped and
         counted. TimeoutError after `timeout` s, with the usable ones taken so far put back in front."""
         out, deadline = [], time.monotonic() + timeout
@@ -402,7 +405,7 @@ class BatchQueue:
             self.count("used", n)
         return out
 
-    def _ready(self, current_version: int) -> bool:
+    def _ready(self, current_version):
         """A batch can be taken now, unless a live lease granted k versions ago is out: its batch is usable
         at this step or never, so wait for it (or for it to stop proving life: a dead worker)."""
         self._expire()
@@ -417,7 +420,7 @@ class BatchQueue:
                 del self._leases[lid]
                 self.count("leases_expired")
 
-    def grant(self, worker: str) -> tuple[str, int] | str:     # (lease id, version), or why there is none
+    def grant(self, worker):     # (lease id, version), or why there is none
         with self._cv:
             now = time.monotonic()
             self._expire()
@@ -437,14 +440,14 @@ class BatchQueue:
             self._leases[lid] = [self.version, worker, now + self.lease_timeout, now]
             return lid, self.version
 
-    def renew(self, lid: str):
+    def renew(self, lid):
         with self._cv:
             self._expire()
             if lid not in self._leases:
                 raise Rejected(409, "lease unknown, expired or used: its batch would be refused")
             self._leases[lid][2] = time.monotonic() + self.lease_timeout
 
-    def accept(self, batch: Batch, lid: str) -> int:   # -> batches queued; the lease is used up
+    def accept(self, batch, lid):  # -> batches queued; the lease is used up
         with self._cv:
             if not 1 <= batch.version <= self.version:
                 raise ValueError(f"batch version {batch.version} is outside [1, {self.version}] (current)")
@@ -469,9 +472,8 @@ class TrainerServer(WireServer, BatchQueue):
     --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run).
     """
 
-    def __init__(self, token: str, fingerprint: dict, max_staleness: int, batches_per_step: int = 1,
-                 host: str = "0.0.0.0", port: int = 0, *, limits: dict, lease_timeout: float = 5.0,
-                 lease_life: float = 600.0, timeout: float = 30.0):
+    def __init__(self, token, fingerprint, max_staleness, batches_per_step=1, host="0.0.0.0", port=0, *,
+                 limits, lease_timeout=5.0, lease_life=600.0, timeout=30.0):
         info = ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
                                      "fingerprint": self.fingerprint, "names": self.names})
         WireServer.__init__(self, token, {
@@ -483,14 +485,14 @@ class TrainerServer(WireServer, BatchQueue):
         self.fingerprint, self.limits, self.run = fingerprint, limits, secrets.token_hex(8)
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
 
-    def finish(self, grace: float):
+    def finish(self, grace):
         """The run is over: every request with the token from now on, and every lease waiting, gets a 410,
         so workers exit instead of retrying a trainer that is gone. Returns after `grace` s, time for the
         workers' lease renewals (every lease_timeout / 5 s) to hear it; then stop()."""
         self.gone = f"run {self.run} finished: no more batches are needed, the worker can exit"
         time.sleep(grace)
 
-    def publish(self, version: int, tensors: dict, adapter_files: dict[str, bytes] | None = None):
+    def publish(self, version, tensors, adapter_files=None):
         """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
         the live parameters), for every worker that asks."""
         blobs = {"weights": tensors_to_bytes(tensors)}
@@ -505,7 +507,7 @@ class TrainerServer(WireServer, BatchQueue):
 
     # ---- endpoints: (query, body) -> dict (JSON) or bytes; Rejected or ValueError for a 4xx ----
 
-    def _blob(self, query, name: str):               # of this run's current version: none needs another
+    def _blob(self, query, name):  # of this run's current version: none needs another
         with self._cv:
             raw, run = query.get("version", ""), query.get("run", "")
             if not raw.isdecimal():
@@ -563,8 +565,7 @@ class TrainerClient:
     an HTTP error raises Rejected at once with the trainer's reason. A retried POST /batch whose first try
     did land gets 409: leases are single-use, so a batch is never queued twice."""
 
-    def __init__(self, url: str, token: str, timeout: float = 60.0, patience: float = 15.0,
-                 backoff: float = 0.5):
+    def __init__(self, url, token, timeout=60.0, patience=15.0, backoff=0.5):
         self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
         self.auth, self.retry_after, self.renew_s = {"Authorization": f"Bearer {token}"}, 0.0, 1.0
         self.finished = ""                          # the trainer's 410, heard by the heartbeat: run over
@@ -572,7 +573,7 @@ class TrainerClient:
         # no http_proxy sees the token
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
 
-    def _call(self, method: str, path: str, body: bytes | None = None, patience: float | None = None):
+    def _call(self, method, path, body=None, patience=None):
         """-> the answer's bytes, or its JSON."""
         patience = self.patience if patience is None else patience
         deadline = time.monotonic() + patience
@@ -593,13 +594,13 @@ class TrainerClient:
                     raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({e}): the trainer "
                                       f"is gone") from None
 
-    def version(self) -> int:
+    def version(self):
         return self._call("GET", "/version")["version"]
 
-    def info(self, patience: float | None = None) -> dict:
+    def info(self, patience=None):
         return self._call("GET", "/info", patience=patience)
 
-    def check(self, fingerprint: dict, names: dict) -> dict:
+    def check(self, fingerprint, names):
         """Refuse to work for a trainer of other task/split settings or weights (names: describe(params))."""
         info, diff = self.info(), []
         for what, theirs, ours in (("setting", info["fingerprint"], fingerprint),
@@ -611,13 +612,13 @@ class TrainerClient:
             raise ValueError("trainer and worker differ, refusing to run: " + "; ".join(diff))
         return info
 
-    def weights(self, run: str, version: int) -> dict:
+    def weights(self, run, version):
         return tensors_from_bytes(self._call("GET", f"/weights?version={version}&run={run}"))[0]
 
-    def adapter(self, run: str, version: int, dest_dir: str) -> str:
+    def adapter(self, run, version, dest_dir):
         return unpack_adapter(self._call("GET", f"/adapter?version={version}&run={run}"), dest_dir)
 
-    def lease(self, wait: int = 0) -> tuple[str, int, str] | None:
+    def lease(self, wait=0):
         """(run, version, lease id), as soon as the trainer has room within `wait` s; else None: wait
         self.retry_after s and ask again."""
         try:
@@ -631,7 +632,7 @@ class TrainerClient:
         return out["run"], out["version"], out["lease"]
 
     @contextlib.contextmanager
-    def keep_alive(self, lease_id: str):
+    def keep_alive(self, lease_id):
         """Renew the lease every renew_s s from a thread while the body runs (pull weights, generate, submit):
         a worker that dies or is killed stops renewing, and the trainer frees its slot within seconds."""
         done = threading.Event()
@@ -652,5 +653,5 @@ class TrainerClient:
         finally:
             done.set()
 
-    def submit(self, batch: Batch, lease_id: str, run: str) -> dict:
+    def submit(self, batch, lease_id, run):
         return self._call("POST", "/batch", batch_to_bytes(batch, lease_id, run))

@@ -32,7 +32,7 @@ class CartPole:
     def __init__(self, eval_episodes=16):
         self.eval_episodes = eval_episodes
 
-    def sample(self, n, rng: np.random.Generator):
+    def sample(self, n, rng):
         return rng.integers(0, EVAL_SEED0, size=n).tolist()
 
     def step(self, s, a):
@@ -86,7 +86,7 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 _NUMBER = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 
 
-def extract_answer(completion: str) -> str | None:
+def extract_answer(completion):
     """Text inside the LAST <answer>...</answer> pair, stripped; None without a pair.
     rfind, not a regex: a non-greedy pattern is quadratic on 100k characters of '<answer>'."""
     end = completion.rfind("</answer>")
@@ -94,14 +94,14 @@ def extract_answer(completion: str) -> str | None:
     return None if end < 0 or start < 0 else completion[start + len("<answer>"):end].strip()
 
 
-def format_reward(prompt: str, completion: str, answer) -> float:
+def format_reward(prompt, completion, answer):
     """0.5 for an <answer>...</answer> pair, +0.5 if only whitespace follows its closing tag."""
     if extract_answer(completion) is None:
         return 0.0
     return 0.5 + 0.5 * completion.rstrip().endswith("</answer>")
 
 
-def _evaluate(expr: str) -> Fraction | None:
+def _evaluate(expr):
     """Exact Fraction value, by Python's own parser (the tree is only read, nothing is executed), of an
     expression already checked to be at most MAX_EXPR ASCII digits, + - * / ( ) and spaces (so ~100
     nested parentheses at most: far inside the parser's limits and this recursion). None on a syntax
@@ -121,7 +121,7 @@ def _evaluate(expr: str) -> Fraction | None:
         return None
 
 
-def countdown_reward(prompt: str, completion: str, answer: dict) -> float:
+def countdown_reward(prompt, completion, answer):
     """1.0 iff the last <answer> is an expression over ASCII digits, + - * / ( ) and spaces that uses
     the given numbers exactly once each (as a multiset, not split or concatenated) and equals the
     target exactly (Fraction arithmetic, so 7/2*2 == 7). Leading zeros ('07') are rejected."""
@@ -134,7 +134,20 @@ def countdown_reward(prompt: str, completion: str, answer: dict) -> float:
     return float(_evaluate(expr) == answer["target"])
 
 
-def countdown_problem(rng: np.random.Generator) -> dict:
+def calculator(expr):
+    """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: the expression is parsed,
+    never executed). Bounded: at most 64 characters in, 12 digits per number, 40 characters out (so a
+    result is at most ~60 digits before it is refused). Anything else is an error message, never raised."""
+    expr = expr.strip()
+    if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or any(len(n) > 12 for n in re.findall("[0-9]+", expr)):
+        return "error: write at most 64 characters of digits (12 per number), + - * / ( ) and spaces"
+    value = _evaluate(expr)
+    if value is None:
+        return "error: not an arithmetic expression, or a division by zero"
+    return str(value) if len(str(value)) <= 40 else "error: the result is over 40 characters"
+
+
+def countdown_problem(rng):
     """3 or 4 numbers in 1..99 and a target in 1..999 built by folding them, in a random order, with
     random ops whose intermediate results stay positive integers; retried until in range."""
     while True:
@@ -158,12 +171,12 @@ def countdown_problem(rng: np.random.Generator) -> dict:
                         "solution": expr[1:-1]}
 
 
-def _last_number(text: str) -> Fraction | None:
+def _last_number(text):
     found = _NUMBER.findall(text)
     return Fraction(found[-1].replace(",", "")) if found else None
 
 
-def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
+def gsm8k_reward(prompt, completion, answer):
     """1.0 iff the last number of the last <answer> (of the whole completion when there is no tag,
     so a model that ignores the format still gets a signal) equals the reference numerically:
     '$1,234.50' == '1234.5'; a trailing '.' ends the number; '-5' is negative."""
@@ -172,11 +185,11 @@ def gsm8k_reward(prompt: str, completion: str, answer: str) -> float:
     return float(got is not None and got == ref)
 
 
-def maxdigit_reward(prompt: str, completion: str, answer: str) -> float:
+def maxdigit_reward(prompt, completion, answer):
     return float(completion[:1] == answer)
 
 
-def overlong_penalty(n_tokens: int, max_new_tokens: int, cache: int) -> float:
+def overlong_penalty(n_tokens, max_new_tokens, cache):
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
     -1 at max_new_tokens. cache == 0 turns it off."""
     if cache <= 0 or n_tokens <= max_new_tokens - cache:
@@ -184,7 +197,7 @@ def overlong_penalty(n_tokens: int, max_new_tokens: int, cache: int) -> float:
     return max(-1.0, (max_new_tokens - cache - n_tokens) / cache)
 
 
-def held_out(text: str) -> bool:
+def held_out(text):
     """The held-out tenth: sha256 of the text % 10 == 0. Stable across processes and machines
     (Python's hash() of a str is salted per process)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 10 == 0
@@ -195,7 +208,7 @@ GSM8K_PROMPT = ("{question}\nSolve it step by step inside <think> </think>, then
 GSM8K_FIX = "each line needs \"question\" and \"answer\" (GSM8K format, answer ending in '#### <number>')"
 
 
-def _gsm8k_row(row, where: str) -> dict:
+def _gsm8k_row(row, where):
     """A hub row or a parsed JSONL line -> {"prompt", "answer"}; ValueError naming `where` and the fix."""
     ok = (isinstance(row, dict) and isinstance(row.get("question"), str)
           and isinstance(row.get("answer"), str) and "####" in row["answer"])
@@ -205,7 +218,7 @@ def _gsm8k_row(row, where: str) -> dict:
     return {"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref}
 
 
-def load_gsm8k(path: str, split: str) -> list[dict]:
+def load_gsm8k(path, split):
     """[{"prompt", "answer": "42"}]. path "" loads openai/gsm8k from the hub (split train or test);
     a local JSONL holds it out itself: a row is in "test" iff held_out(question), the rest is
     "train". Blank lines are skipped; any other malformed line raises ValueError with its number."""
@@ -238,9 +251,11 @@ def load_gsm8k(path: str, split: str) -> list[dict]:
 # ---- LLM tasks: a problem is {"prompt": str, "answer": ...}; reward = weighted sum of the fns above ----
 
 class LLMTask:
-    """Policy protocol (HFPolicy implements it): encode(text) -> ids; act(prompt_ids, G, greedy) ->
-    per prompt, G samples in prompt-major order of (completion ids [C] with the stop token when it
-    stopped, sampler log-probs [C], truncated); decode(ids) -> text without special tokens.
+    """Policy protocol (HFPolicy implements it): encode(text) -> ids; act(prompt_ids, G, greedy, tools)
+    -> per prompt, G samples in prompt-major order of (completion ids [C] with the stop token when it
+    stopped, sampler log-probs [C] (0 on tool replies), sampled [C] bool (False on the ids of a tool's
+    reply, which the sampler inserted: context, never trained), truncated); decode(ids) -> text without
+    special tokens. tools: None, or this task (stop string tool_stop, reply(text) -> text to insert).
     Procedural tasks define problem(rng): a problem is held out iff held_out(its prompt), so
     training draws skip the held-out tenth and the eval set is the first held-out draws of one seed.
     rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
@@ -248,9 +263,14 @@ class LLMTask:
     rewards: list = []
     train_set = None                            # data-backed tasks: every training problem
 
-    def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1):
+    tool_stop = "</calc>"                       # the sampler calls reply() when a completion writes it
+    tool_hint = " You have a calculator: write <calc>12*34</calc> and get <result>408</result>."
+
+    def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1,
+                 max_tool_calls=0):
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
-        self.pass_k = pass_k
+        self.pass_k, self.max_tool_calls = pass_k, max_tool_calls
+        self.tools = self if max_tool_calls else None       # what the sampler gets: stop and reply()
         self.max_new_tokens = self.max_len = max_new_tokens  # max_len: Dr. GRPO's constant denominator
         self.eval_set = self.eval_problems()
         if len(self.eval_set) < max(eval_episodes, 10):
@@ -259,7 +279,7 @@ class LLMTask:
                   + (": use a larger --data file (a tenth of it is held out)" if data else ""),
                   file=sys.stderr)
 
-    def sample(self, n, rng: np.random.Generator) -> list[dict]:
+    def sample(self, n, rng):
         out = []
         while len(out) < n:
             p = self.problem(rng)
@@ -267,7 +287,7 @@ class LLMTask:
                 out.append(p)
         return out
 
-    def eval_problems(self) -> list[dict]:
+    def eval_problems(self):
         """The first eval_episodes distinct held-out draws of one fixed seed (MaxDigit's 100 draws held 69
         distinct prompts); bounded tries, as a small problem space may hold fewer."""
         rng, out = np.random.default_rng(EVAL_SEED0), {}
@@ -280,45 +300,59 @@ class LLMTask:
         return list(out.values())
 
     @property
-    def reward_range(self) -> tuple[float, float]:
+    def reward_range(self):
         """A completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]."""
         return -float(self.overlong_cache > 0), float(sum(w for w, _ in self.rewards))
 
-    def max_prompt_len(self, encode) -> int:
+    def max_prompt_len(self, encode):
         """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
         max_new_tokens). Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws,
         + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
         exact = self.train_set is not None
         drawn = self.train_set if exact else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1))
-        longest = max(len(encode(p["prompt"])) for p in self.eval_set + drawn)
+        longest = max(map(len, self.prompt_ids(encode, self.eval_set + drawn)))
         return longest if exact else int(longest * 1.1) + 8
 
-    def score(self, problem, completion: str, n_tokens: int) -> float:
+    def prompt_ids(self, encode, problems):
+        """Prompt ids, the calculator explained when tools are on (after the prompt: held_out() reads the
+        prompt alone, so tools on and off are evaluated on the same problems)."""
+        return [encode(p["prompt"] + (self.tool_hint if self.tools else "")) for p in problems]
+
+    def reply(self, text):
+        """A completion's text so far, which just wrote tool_stop -> the reply to insert after it, or None
+        once it has had max_tool_calls replies. The call is the last <calc>...</calc> since the last reply;
+        a malformed one gets an error reply, which the model can learn from."""
+        if text.count("<result>") >= self.max_tool_calls:
+            return None
+        _, call, expr = text.rsplit("</result>", 1)[-1].rpartition("<calc>")
+        answer = calculator(expr.partition(self.tool_stop)[0]) if call else "error: write <calc>1+2</calc>"
+        return f"<result>{answer}</result>"
+
+    def score(self, problem, completion, n_tokens):
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
         return r + overlong_penalty(n_tokens, self.max_new_tokens, self.overlong_cache)
 
     def rollout(self, policy, prompts, group_size, greedy=False):
-        ids = [policy.encode(p["prompt"]) for p in prompts]
+        ids = self.prompt_ids(policy.encode, prompts)
         rows = []
-        for i, (c, lp, trunc) in enumerate(policy.act(ids, group_size, greedy)):
+        for i, (c, lp, sampled, trunc) in enumerate(policy.act(ids, group_size, greedy, self.tools)):
             p, P, C = prompts[i // group_size], ids[i // group_size], len(c)
             tokens = torch.cat([torch.tensor(P, dtype=torch.long), c.long().cpu()])   # [T] = [P + C]
             rewards = torch.zeros(len(tokens))                                      # [T]
             rewards[-1] = self.score(p, policy.decode(c.tolist()), C)   # on the last completion token
             rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=bool(trunc),
                                    logp=torch.cat([torch.zeros(len(P)), lp.float().cpu()]),  # [T]
-                                   mask=torch.cat([torch.zeros(len(P)), torch.ones(C)])))    # [T]
+                                   mask=torch.cat([torch.zeros(len(P)), sampled.float()])))  # [T]
         return Batch.from_groups([rows[i:i + group_size] for i in range(0, len(rows), group_size)])
 
-    def _solved(self, policy, problems, k, greedy) -> float:
+    def _solved(self, policy, problems, k, greedy):
         """How many problems have one of k samples correct (rewards[0] == 1)."""
-        ids = [policy.encode(p["prompt"]) for p in problems]
-        fn = self.rewards[0][1]
+        ids, fn = self.prompt_ids(policy.encode, problems), self.rewards[0][1]
         hits = [fn(problems[i // k]["prompt"], policy.decode(c.tolist()), problems[i // k]["answer"]) == 1.0
-                for i, (c, _, _) in enumerate(policy.act(ids, k, greedy))]
+                for i, (c, *_) in enumerate(policy.act(ids, k, greedy, self.tools))]
         return float(np.reshape(hits, (len(problems), k)).any(1).sum())
 
-    def evaluate(self, policy, rank=0, world=1) -> dict:
+    def evaluate(self, policy, rank=0, world=1):
         """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
         so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct."""
         mine, n = self.eval_set[rank::world], len(self.eval_set)
@@ -366,12 +400,19 @@ class Addition(LLMTask):
     """'What is 47 + 85?': two random 2-digit numbers (8,100 prompts); correct iff the completion's last
     number is their sum (GSM8K's verifier, with no tags needed). A real small model's task:
     SmolLM2-135M-Instruct explains at length and runs out of tokens, so it starts low but above zero."""
-    rewards = [(1.0, gsm8k_reward)]
+    rewards, op = [(1.0, gsm8k_reward)], "+"
 
     def problem(self, rng):
         a, b = rng.integers(10, 100, size=2).tolist()
-        return {"prompt": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+        return {"prompt": f"What is {a} {self.op} {b}? Answer with the number only.",
+                "answer": str(a * b if self.op == "*" else a + b)}
+
+
+class Multiply(Addition):
+    """'What is 37 * 48?': the product of two 2-digit numbers, which SmolLM2-135M-Instruct cannot work out
+    in its head; the calculator (--max-tool-calls) can."""
+    op = "*"
 
 
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
-         "addition": Addition}
+         "addition": Addition, "multiply": Multiply}

@@ -46,7 +46,7 @@ from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
 
-def flag(name: str) -> str:
+def flag(name):
     return "--" + name.replace("_", "-")
 
 
@@ -94,6 +94,8 @@ class Config:
     thinking: bool = arg(False, "enable_thinking for hybrid-reasoning chat templates (Qwen3)")
     overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
+    max_tool_calls: int = arg(0, "calculator calls per completion, each reply inserted as context: no loss "
+                                 "(0: no tools; tasks.calculator)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
     role: str = arg("sync", "sync: rollout and update here; trainer: serve weights, learn from workers' "
                             "batches; rollout: generate for --trainer-url", ["sync", "trainer", "rollout"])
@@ -127,11 +129,11 @@ class Config:
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
 
     @property
-    def is_llm(self) -> bool:
+    def is_llm(self):
         return self.task in TASKS and TASKS[self.task].is_llm
 
     @property
-    def clip_high(self) -> float:
+    def clip_high(self):
         return self.clip_eps_high or self.clip_eps
 
 
@@ -139,11 +141,11 @@ QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "ev
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "gap_out_frac", "zero_std_frac",
-           "completion_len", "truncated_frac", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps",
-           "staleness", *QUEUE_COLUMNS]
+           "completion_len", "truncated_frac", "tool_calls", "tool_frac", "gen_s", "train_s", "step_s",
+           "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
 
 
-def train(cfg: Config) -> dict:
+def train(cfg):
     # ranks > 0 wait while rank 0 waits for batches; CUDA (NCCL) only for an LLM with a GPU per rank
     rank, world = init_distributed(timeout=cfg.batch_timeout + 600, llm=cfg.is_llm)
     validate(cfg, world)
@@ -208,8 +210,9 @@ def train(cfg: Config) -> dict:
                     stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
                 state = {"step": step, "env_steps": state["env_steps"] + n_tok}
-                row = {"step": step, **batch_stats(batch), **stats, "gen_s": t1 - t0, "train_s": t2 - t1,
-                       "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
+                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, "gen_s": t1 - t0,
+                       "train_s": t2 - t1, "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0),
+                       "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row.update(evaluate(task, policy, cfg, log, rank, world))
                 log.log(row)
@@ -247,9 +250,9 @@ def train(cfg: Config) -> dict:
 
 # what the step line on stdout shows, [async][llm] (the CSV has every column)
 SHOW = [[["reward", "eval_return", "loss"],
-         ["reward", "eval_acc", "pass_at_k", "completion_len", "entropy", "kl"]],
+         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "entropy", "kl"]],
         [["reward", "eval_return", "staleness", "dropped_stale"],
-         ["reward", "eval_acc", "completion_len", "staleness", "logp_gap", "dropped_stale",
+         ["reward", "eval_acc", "completion_len", "tool_frac", "staleness", "logp_gap", "dropped_stale",
           "dropped_no_snapshot"]]]
 
 
@@ -259,7 +262,7 @@ SHOW = [[["reward", "eval_return", "loss"],
 BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"),
            lambda v: v >= 1, ">= 1"),
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
-            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap"),
+            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
           (("max_staleness",), lambda v: v >= 0, ">= 0"),
           (("lr", "temperature", "batch_timeout", "lease_timeout"), lambda v: v > 0, "> 0"),
@@ -267,7 +270,7 @@ BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_
           (("clip_eps",), lambda v: 0 < v < 1, "in (0, 1)")]
 
 
-def validate(cfg: Config, world: int = 1):
+def validate(cfg, world=1):
     """Every user error, before any work; each message names the flag and the fix."""
     llm = cfg.is_llm
     errors = []
@@ -284,8 +287,9 @@ def validate(cfg: Config, world: int = 1):
          f"is 0): use --group-size 8, or --algo reinforce"),
         (cfg.algo in NEEDS_CRITIC and llm,
          f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
-        (not llm and (cfg.model or cfg.lora),
-         f"--model and --lora are for LLM tasks; --task {cfg.task} trains an MLP: drop them"),
+        (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls),
+         f"--model, --lora and --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: drop "
+         f"them"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -321,7 +325,7 @@ def validate(cfg: Config, world: int = 1):
         raise ValueError("\n".join(errors))
 
 
-def free_name(cfg: Config) -> str:
+def free_name(cfg):
     """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", os.path.splitext(os.path.basename(cfg.config))[0] if cfg.config
                         else f"{cfg.task}_{cfg.algo}")
@@ -332,14 +336,14 @@ def free_name(cfg: Config) -> str:
     return name
 
 
-def policy_name(cfg: Config) -> str:
+def policy_name(cfg):
     if not cfg.is_llm:
         return f"an MLP {cfg.hidden} wide" + (" + a critic" if cfg.algo in NEEDS_CRITIC else "")
     how = f"LoRA r={cfg.lora_r}" if cfg.lora else "full fine-tuning"
     return f"{cfg.model}, {how}, {cfg.dtype}, {cfg.n_prompts} prompts x {cfg.group_size} samples per step"
 
 
-def share_cores(cfg: Config) -> str:
+def share_cores(cfg):
     """Set this process's torch threads -> what it chose and why. Control: 1 (2 were slower on the 64-wide
     MLP). LLMs: the cores over the NanoRL processes here, recounted as workers come and go (a trainer and
     2 workers on 2 cores, each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
@@ -357,7 +361,7 @@ def share_cores(cfg: Config) -> str:
     return f"{n} thread{'s' * (n > 1)} ({why})"
 
 
-def nanorl_processes() -> int:
+def nanorl_processes():
     """Processes running train.py on this machine, this one included (>= 1; 1 where there is no /proc)."""
     n = 0
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
@@ -399,21 +403,22 @@ def stop_requests():
             signal.signal(sig, handler)
 
 
-def evaluate(task, policy, cfg: Config, log, rank: int, world: int) -> dict:
+def evaluate(task, policy, cfg, log, rank, world):
     if cfg.is_llm:                                      # minutes on a big model: say what is happening
         log.info(f"evaluating: {len(task.eval_set)} held-out problems, greedy"
                  + (f", and pass@{cfg.pass_k}" if cfg.pass_k > 1 else "") + " ...")
     return task.evaluate(policy, rank, world)
 
 
-def make_task(cfg: Config):
+def make_task(cfg):
     if not cfg.is_llm:
         return TASKS[cfg.task](eval_episodes=cfg.eval_episodes)
     return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, data=cfg.data, overlong_cache=cfg.overlong_cache,
-                           max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k)
+                           max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
+                           max_tool_calls=cfg.max_tool_calls)
 
 
-def make_policy(cfg: Config, task):
+def make_policy(cfg, task):
     if not cfg.is_llm:
         return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
                          reference=cfg.kl_coef > 0)
@@ -437,7 +442,7 @@ def make_policy(cfg: Config, task):
     return policy
 
 
-def find_model(name: str):
+def find_model(name):
     """--model is a local folder or a hub id (owner/name). Offline, transformers retries the hub for ~50 s
     and then never says a folder was looked for: check both here, in seconds, and say which failed."""
     import socket
@@ -458,7 +463,7 @@ def find_model(name: str):
                      f"configs/smollm2_addition.yaml, or pass a hub id")
 
 
-def make_optimizer(cfg: Config, policy):
+def make_optimizer(cfg, policy):
     """LLMs: torch's fused Adam, one pass over the weights (utils.Adam's per-tensor steps took 1.3 s vs
     0.24 s on a 0.5B model). Control: utils.Adam, as torch.optim imports torch._dynamo (1.3 s)."""
     groups = list(policy.param_groups().values())
@@ -467,7 +472,7 @@ def make_optimizer(cfg: Config, policy):
     return Adam(groups, lr=cfg.lr)
 
 
-def rollout_worker(cfg: Config, task, threads: str) -> dict:
+def rollout_worker(cfg, task, threads):
     """--role rollout: lease a slot, pull the weights if (run, version) changed, generate, submit with the
     sampler's own log-probs, repeat; the lease is renewed all along (the trainer frees a silent one within
     --lease-timeout). Never computes a gradient. Exits once the trainer says its run finished, or once it
@@ -519,7 +524,7 @@ def rollout_worker(cfg: Config, task, threads: str) -> dict:
     return {"batches": n}
 
 
-def connect(client, cfg: Config) -> dict:
+def connect(client, cfg):
     """The trainer's /info; a worker started first says at once that it waits, and for how long."""
     try:
         return client.info(patience=0)
@@ -534,7 +539,7 @@ def connect(client, cfg: Config) -> dict:
                          f"and port it logged") from None
 
 
-def load_weights(policy, client, run: str, version: int, cfg: Config):
+def load_weights(policy, client, run, version, cfg):
     if cfg.vllm:
         policy.load_adapter(version, client.adapter(run, version, policy.adapter_dir(version)), run)
         return
@@ -544,29 +549,29 @@ def load_weights(policy, client, run: str, version: int, cfg: Config):
             p.copy_(tensors[n])
 
 
-def fingerprint(cfg: Config, prompts_per_batch: int) -> dict:
+def fingerprint(cfg, prompts_per_batch):
     """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
     keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
-            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness")
+            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness", "max_tool_calls")
     return {**{k: getattr(cfg, k) for k in keys}, "prompts_per_batch": prompts_per_batch}
 
 
-def batch_limits(cfg: Config, task, policy, prompts_per_batch: int) -> dict:
+def batch_limits(cfg, task, policy, prompts_per_batch):
     """What a batch of this run can be; the trainer refuses anything else with a 400
     (serve.batch_from_bytes)."""
     limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
-              "max_len": task.max_len}                  # LLMs: max_new_tokens
+              "max_len": task.max_len, "tool_calls": cfg.max_tool_calls}   # max_len, LLMs: max_new_tokens
     if not cfg.is_llm:
         return {**limits, "prompt_len": 0, "n_actions": task.n_actions, "obs_dim": task.obs_dim}
     return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "obs_dim": 0,
             "n_actions": policy.model.get_input_embeddings().num_embeddings}
 
 
-def trainable(policy) -> dict:
+def trainable(policy):
     return {n: p for n, p in policy.named_parameters() if p.requires_grad}
 
 
-def publish(policy, cfg: Config, version: int, snapshots, server):
+def publish(policy, cfg, version, snapshots, server):
     """Weights version `version`: every rank keeps a snapshot (old log-probs need it), rank 0 serves it,
     with the LoRA adapter in PEFT's on-disk format for vLLM workers."""
     snap = snapshots.add(version, trainable(policy))
@@ -579,7 +584,7 @@ def publish(policy, cfg: Config, version: int, snapshots, server):
         server.publish(version, snap, files)
 
 
-def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int, world: int, asked: list):
+def async_batch(server, snapshots, policy, cfg, version, rank, world, asked):
     """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
     recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
     --resume), dropped and counted. -> (batch, old_logp per micro-batch, or None: sampled by these weights)"""
@@ -603,7 +608,7 @@ def async_batch(server, snapshots, policy, cfg: Config, version: int, rank: int,
         return batch, None if batch.version == version else old_logprobs(policy, batch, snap, cfg.micro_batch)
 
 
-def wait_for_batches(server, n: int, version: int, timeout: float, asked: list) -> list:
+def wait_for_batches(server, n, version, timeout, asked):
     """Rank 0: n batches, or n times "timeout" after `timeout` s, or "stop" once a stop is asked
     (Ctrl-C, SIGTERM): waiting in short slices, so that a stop never waits out --batch-timeout."""
     deadline = time.monotonic() + timeout
@@ -617,14 +622,14 @@ def wait_for_batches(server, n: int, version: int, timeout: float, asked: list) 
 
 
 @torch.no_grad()
-def score(policy, batch, micro_batch: int) -> list:
+def score(policy, batch, micro_batch):
     """Log-probs micro-batch by micro-batch, sliced exactly as update() slices: the same numbers, bit
     for bit, as the update's own forward under the same weights. -> [[mb, T] per micro-batch]"""
     return [policy.logprobs(batch[s])[0] for s in batch.micro_batches(micro_batch)]
 
 
 @torch.no_grad()
-def old_logprobs(policy, batch, snapshot: dict, micro_batch: int) -> list:
+def old_logprobs(policy, batch, snapshot, micro_batch):
     """Swap in the weights that sampled the batch, score it, restore the current weights bit for bit."""
     params = trainable(policy)
     current = {n: p.detach().clone() for n, p in params.items()}
@@ -638,14 +643,16 @@ def old_logprobs(policy, batch, snapshot: dict, micro_batch: int) -> list:
             p.copy_(current[n])
 
 
-def batch_stats(batch) -> dict:
-    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups."""
-    R, n = batch.grouped_rewards(), all_sum(len(batch))                # [n_prompts, G]
+def batch_stats(batch, tools):
+    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
+    R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
     dead = (R == R[:, :1]).all(1).float().sum().item() if batch.group_size > 1 else 0.0
     return {"reward": all_sum(R.sum().item()) / n,
             "completion_len": all_sum(batch.lengths().sum().item()) / n,
             "truncated_frac": all_sum(batch.truncated.float().sum().item()) / n,
-            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
+            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts),
+            **({"tool_calls": all_sum(replies.sum().item()) / n,
+                "tool_frac": all_sum((replies > 0).sum().item()) / n} if tools else {})}
 
 
 def aggregate(x, mask, agg, denom):
@@ -668,7 +675,7 @@ STALE_CAP = 1.0   # the largest weight pi_now / pi_then a stale sample gets (IMP
 STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap", "gap_out_frac"]
 
 
-def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None):
+def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
     """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks. old_logp:
     log-probs of the weights that sampled it (async), or None (sync: these weights). Epoch 0's own,
     detached, centre the clip (ratio 1); stale tokens weigh min(1, pi_now / pi_then) (V-trace, decoupled
@@ -729,7 +736,7 @@ def update(policy, opt, batch, adv, target, cfg: Config, max_len, old_logp=None)
     return stats
 
 
-def save_checkpoint(cfg: Config, policy, opt, state: dict):
+def save_checkpoint(cfg, policy, opt, state):
     """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
     path = cfg.out + ".pt"
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -747,7 +754,7 @@ RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_eve
                      "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem"}
 
 
-def read_checkpoint(path: str, mmap=False) -> dict:
+def read_checkpoint(path, mmap=False):
     """mmap: read the header (config, step) without the tensors."""
     import zipfile
     try:
@@ -760,7 +767,7 @@ def read_checkpoint(path: str, mmap=False) -> dict:
     return ck
 
 
-def load_checkpoint(cfg: Config, policy, opt) -> dict:
+def load_checkpoint(cfg, policy, opt):
     ck = read_checkpoint(cfg.resume)
     s = ck["step"]
     if ck.get("finished") == "solved" and cfg.solve_at:
@@ -786,7 +793,7 @@ def load_checkpoint(cfg: Config, policy, opt) -> dict:
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
 
-def parse_config(argv=None) -> Config:
+def parse_config(argv=None):
     """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 
@@ -812,7 +819,7 @@ def parse_config(argv=None) -> Config:
     return Config(**vars(p.parse_args(preset + argv)))
 
 
-def read_yaml(path) -> list[str]:
+def read_yaml(path):
     """A YAML preset as flags, so that argparse checks its types and choices as it checks the command
     line's (YAML 1.1 reads 1e-3 as a string: as a flag it is a float like any other)."""
     import yaml
@@ -837,7 +844,7 @@ def read_yaml(path) -> list[str]:
     return flags
 
 
-def user_error(e: ValueError):
+def user_error(e):
     """One 'error: ...' (rank 0 only under torchrun, which would print it once per rank), also written to
     torchrun's error file, so that its failure summary names the cause instead of "To enable traceback"."""
     if os.environ.get("RANK", "0") == "0":

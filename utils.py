@@ -60,7 +60,7 @@ class Adam:
     """Adam (Kingma & Ba 2015) for control tasks: torch.optim.Adam's constructor imports torch._dynamo,
     1.3 s on these 2 cores, a third of a CartPole run (measured). LLMs use torch's fused Adam (train.py)."""
 
-    def __init__(self, groups: list[list[torch.Tensor]], lr, betas=(0.9, 0.999), eps=1e-8):
+    def __init__(self, groups, lr, betas=(0.9, 0.999), eps=1e-8):
         self.params = [p for g in groups for p in g]                        # one lr for every group
         self.lr, self.betas, self.eps, self.t = lr, betas, eps, 0
         self.m = [torch.zeros_like(p) for p in self.params]                 # fp32, like the params
@@ -92,19 +92,19 @@ class Adam:
 
 # ---- torch.distributed: torchrun sets RANK / WORLD_SIZE; gloo on CPU, nccl on GPU ----
 
-def device_for(is_llm: bool, cuda_count: int, local_world: int) -> str:
+def device_for(is_llm, cuda_count, local_world):
     """Where a rank's policy lives: "cuda" for an LLM when this machine has a GPU per local rank, else "cpu"
     (MLP policies always; 2 ranks on 1 GPU failed in set_device: "invalid device ordinal")."""
     return "cuda" if is_llm and local_world <= cuda_count else "cpu"
 
 
-def local_device(is_llm: bool) -> torch.device:
+def local_device(is_llm):
     """This process's device_for; its GPU is LOCAL_RANK's (0 without torchrun)."""
     kind = device_for(is_llm, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
 
 
-def init_distributed(timeout: float = 1800.0, backend: str = "", llm: bool = False):
+def init_distributed(timeout=1800.0, backend="", llm=False):
     """-> (rank, world_size); (0, 1) without torchrun's environment. One group, two backends: gloo for
     CPU tensors (scalar statistics, objects), NCCL for CUDA ones (gradients, weights): an NCCL-only group
     cannot reduce a CPU tensor, so every such collective failed at the first step on GPUs. timeout (s)

@@ -28,13 +28,13 @@ def policy(path, **kw):
 def as_batch(prompts, samples, G, rewards=None):
     """Stack act() output the way an LLM task does (prompt masked, reward on the last token)."""
     rows = []
-    for i, (c, lp, tr) in enumerate(samples):
+    for i, (c, lp, sampled, tr) in enumerate(samples):
         p = prompts[i // G]
         ids = torch.tensor(p + c.tolist())
         r = torch.zeros(len(ids))
         r[-1] = rewards[i] if rewards else float(i % 2)
         rows.append(Trajectory(states=ids, actions=ids, logp=torch.cat([torch.zeros(len(p)), lp]), rewards=r,
-                               mask=torch.cat([torch.zeros(len(p)), torch.ones(len(c))]), truncated=tr))
+                               mask=torch.cat([torch.zeros(len(p)), sampled.float()]), truncated=tr))
     return Batch.from_groups([rows[i:i + G] for i in range(0, len(rows), G)])
 
 
@@ -51,7 +51,7 @@ def test_greedy_decoding_equals_hf_generate_with_left_padding(tiny):
     pol = policy(tiny, max_new_tokens=5)
     prompts = [pol.encode("3 8 1="), pol.encode("1="), pol.encode("77 0 5 4=")]
     ours = pol.act(prompts, 2, greedy=True)                          # each prompt prefilled once for its 2 rows
-    for p, (c, lp, tr) in zip([p for p in prompts for _ in range(2)], ours, strict=True):
+    for p, (c, lp, _, tr) in zip([p for p in prompts for _ in range(2)], ours, strict=True):
         ref = pol.model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False, eos_token_id=pol.eos,
                                  pad_token_id=pol.pad)[0, len(p):]
         assert c.tolist() == ref.tolist()[:len(c)]
@@ -69,7 +69,7 @@ def test_generation_config_knobs_do_not_change_sampling(tiny, tmp_path):
     for path in (tiny, other):
         pol = policy(path, max_new_tokens=8)
         torch.manual_seed(123)
-        outs.append([(c.tolist(), lp.tolist()) for c, lp, _ in pol.act(prompts, 4)])
+        outs.append([(c.tolist(), lp.tolist()) for c, lp, _, _ in pol.act(prompts, 4)])
     assert outs[0] == outs[1]
     assert len({tuple(c) for c, _ in outs[0]}) > 1                    # really sampled, not greedy
 
@@ -78,11 +78,11 @@ def test_stop_tokens_masks_and_truncation(tiny):
     pol = policy(tiny, max_new_tokens=4)
     p = [pol.encode("5 5=")]
     greedy_first = pol.act(p, 1, greedy=True)[0][0][0].item()
-    assert pol.act(p, 1, greedy=True)[0][2] is True                  # never meets EOS: budget hit, truncated
+    assert pol.act(p, 1, greedy=True)[0][3] is True                  # never meets EOS: budget hit, truncated
     pol.eos = [99, greedy_first]                                       # any of several EOS ids stops it
-    c, lp, truncated = pol.act(p, 1, greedy=True)[0]
+    c, lp, sampled, truncated = pol.act(p, 1, greedy=True)[0]
     assert c.tolist() == [greedy_first] and not truncated and len(lp) == 1   # the stop token is kept
-    b = as_batch(p, [(c, lp, truncated)], 1)
+    b = as_batch(p, [(c, lp, sampled, truncated)], 1)
     assert b.mask[0].tolist() == [0.0] * len(p[0]) + [1.0]           # the stop token is trained on
 
 
@@ -276,11 +276,11 @@ def test_sampling_stops_on_every_eos_id(tiny):
     pol.eos = [1, 5, 9]
     torch.manual_seed(3)
     samples = pol.act([pol.encode("1 2="), pol.encode("3 4 5 6=")], 16)
-    for c, lp, truncated in samples:
+    for c, lp, _, truncated in samples:
         hit = [t in pol.eos for t in c.tolist()]
         assert not any(hit[:-1]) and len(lp) == len(c)                   # stops at its first EOS, which it keeps
         assert truncated == (not hit[-1]) and (not truncated or len(c) == 8)
-    assert {c[-1].item() for c, _, tr in samples if not tr} == set(pol.eos)   # each of the 3 ids stopped a row
+    assert {c[-1].item() for c, _, _, tr in samples if not tr} == set(pol.eos)   # each of the 3 ids stopped a row
 
 
 def saved_activation_bytes_and_replays(pol, batch):

@@ -194,14 +194,14 @@ class ScriptedLLM:
     def decode(self, ids):
         return "".join(chr(i) for i in ids if i != 0)
 
-    def act(self, prompt_ids, group_size, greedy=False):
+    def act(self, prompt_ids, group_size, greedy=False, tools=None):
         self.calls.append((len(prompt_ids), group_size, greedy))
         out = []
         for ids in prompt_ids:                                   # prompt-major: all samples of prompt 0 first
             for j in range(group_size):
                 text, trunc = self.reply(self.decode(ids), j, greedy)
                 c = torch.tensor(self.encode(text) + ([] if trunc else [0]))
-                out.append((c, -0.1 * torch.arange(1, len(c) + 1), trunc))
+                out.append((c, -0.1 * torch.arange(1, len(c) + 1), torch.ones(len(c), dtype=torch.bool), trunc))
         return out
 
 

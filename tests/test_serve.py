@@ -20,7 +20,8 @@ TOKEN = "test-token-0123456789"
 FP = {"task": "cartpole", "split_seed": 0}
 # what the run can produce (train.batch_limits): control rows of <= 5 steps; LLM rows of a 1..3-token prompt and
 # 1..4 completion tokens over a vocabulary of 50, reward in [0, 1.1]
-LIMITS = {"group_size": 2, "n_prompts": 2, "prompt_len": 0, "max_len": 5, "n_actions": 2, "obs_dim": 4, "reward": [0, 5]}
+LIMITS = {"group_size": 2, "n_prompts": 2, "prompt_len": 0, "max_len": 5, "n_actions": 2, "obs_dim": 4, "reward": [0, 5],
+          "tool_calls": 0}
 LLM_LIMITS = {**LIMITS, "prompt_len": 3, "max_len": 4, "n_actions": 50, "obs_dim": 0, "reward": [0, 1.1]}
 
 
@@ -468,8 +469,8 @@ def bad_for_the_run(limits, version=1):
            ("this run takes", replace(b, group_size=1, group_id=torch.arange(N)) if G > 1 else
             replace(b, group_size=2, group_id=torch.arange(N // 2).repeat_interleave(2))),
            ("is over this", make_batch(N=N, T=prompt + L + 1, **kw)),                 # T one past the budget
-           ("one contiguous run", edit("mask", lambda m: m[0].zero_())),                # an empty row
-           ("one contiguous run", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
+           ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].zero_())),                # an empty row
+           ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
            ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
            ("not this run's", make_batch(N=N, **{**kw, "llm": not llm}))]             # rows of the other kind
     if llm:
@@ -671,3 +672,30 @@ def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil():
             t.join()
     hung = [o for o in outcomes if "timed out" in o]
     assert len(outcomes) == 40 and "leased" not in outcomes and not hung, hung
+
+
+def test_tool_replies_are_holes_in_a_completions_mask_and_nothing_else_is(serve):
+    """A tool reply is a run of 0s inside a completion (tasks.LLMTask.reply): accepted up to --max-tool-calls of
+    them; more, or 0s in the prompt part counted as a completion that starts early, get a 400 naming the rule."""
+    limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "tool_calls": 1}
+    server, client = serve(limits=limits)
+    good = make_batch(N=4, T=8, llm=True, seed=1)
+    # row 0: prompt 2, completion of 6 whose positions 3-4 are a reply: mask 0 0 1 0 0 1 1 1, reward last
+    good.mask[0] = torch.tensor([0, 0, 1, 0, 0, 1, 1, 1.0])
+    good.states[0], good.rewards[0] = torch.arange(1, 9), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1.0])
+    good.actions[0], good.logp[0] = good.states[0], -0.5 * good.mask[0]
+    assert good.tool_replies().tolist() == [1, 0, 0, 0]
+    submit(client, good)
+    assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
+    two = replace(good, mask=good.mask.clone())
+    two.mask[0] = torch.tensor([0, 0, 1, 0, 1, 0, 1, 1.0])                            # 2 replies, 1 allowed
+    wide = replace(good, mask=good.mask.clone())
+    wide.mask[0] = torch.tensor([0, 1, 0, 0, 1, 1, 1, 1.0])                            # spans 7 > 6 tokens
+    run, _, lease = client.lease()
+    for bad in (two, wide):
+        with pytest.raises(Rejected) as e:
+            client.submit(bad, lease, run)
+        assert e.value.status == 400 and "at most 1 (--max-tool-calls)" in str(e.value)
+    limits0 = {**limits, "tool_calls": 0}                                              # tools off: no holes
+    with pytest.raises(ValueError, match="at most 0"):
+        batch_from_bytes(batch_to_bytes(good, "lease", "run"), limits0)

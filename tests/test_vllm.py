@@ -65,10 +65,19 @@ def test_prompt_major_logprobs_stop_token_and_truncation():
                FakeRequestOutput([6, 12], [completion(0, [4, EOS], [-0.75, -0.125], "length"),  # EOS drawn last
                                            completion(1, [EOS], [-4.0], "stop")])]
     samples = vllm_samples(outputs, [EOS])
-    assert [c.tolist() for c, _, _ in samples] == [[3, EOS], [7, 8, 9], [4, EOS], [EOS]]  # prompt-major, EOS kept once
-    assert [lp.tolist() for _, lp, _ in samples] == [[-0.5, -0.25], [-1.0, -2.0, -3.0], [-0.75, -0.125], [-4.0]]
-    assert [tr for _, _, tr in samples] == [False, True, False, False]   # stopped on EOS is never truncated
-    assert all(c.dtype == torch.long and lp.dtype == torch.float32 for c, lp, _ in samples)
+    assert [c for c, _, _, _ in samples] == [[3, EOS], [7, 8, 9], [4, EOS], [EOS]]  # prompt-major, EOS kept once
+    assert [lp for _, lp, _, _ in samples] == [[-0.5, -0.25], [-1.0, -2.0, -3.0], [-0.75, -0.125], [-4.0]]
+    assert [tr for _, _, tr, _ in samples] == [False, True, False, False]   # stopped on EOS is never truncated
+    assert not any(called for *_, called in samples)                        # no tool, no call
+
+
+def test_a_stop_on_the_tools_string_is_a_call_and_not_a_stop():
+    outputs = [FakeRequestOutput([5], [completion(0, [3, 4], [-0.5, -0.25], "stop", "</calc>"),
+                                       completion(1, [3, EOS], [-0.5, -0.25], "stop", EOS)])]
+    assert [(tr, called) for *_, tr, called in vllm_samples(outputs, [EOS], "</calc>")] == [(True, True),
+                                                                                             (False, False)]
+    with pytest.raises(AssertionError, match="calc"):                   # a stop string it was not told of
+        vllm_samples(outputs, [EOS])
 
 
 def test_a_finish_that_is_neither_eos_nor_length_is_refused():
@@ -171,8 +180,8 @@ def greedy_report(engine, hf, ids):
     """Greedy completions of both engines -> (number equal, near-ties, HF's completions). Where they differ,
     HF's top-2 margin at the first differing position must be a genuine near-tie (< NEAR_TIE), else it fails."""
     equal, ties = 0, []
-    ours = [c.tolist() for c, _, _ in hf.act(ids, 1, greedy=True)]
-    for i, ((a, _, _), b) in enumerate(zip(engine.act(ids, 1, greedy=True), ours)):
+    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True)]
+    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True), ours)):
         a = a.tolist()
         if a == b:
             equal += 1
@@ -227,11 +236,11 @@ def test_sampled_logprobs_follow_every_adapter_version(engine, hf):
         previous = lambda b, state=state: scored_under(hf, state, b)
         assert os.listdir(engine.adapters) == [f"v{version}"]                    # older versions deleted
     torch.manual_seed(7)
-    a = [c.tolist() for c, _, _ in engine.act(ids, 2)]
+    a = [c.tolist() for c, *_ in engine.act(ids, 2)]
     torch.manual_seed(7)
-    assert [c.tolist() for c, _, _ in engine.act(ids, 2)] == a                   # a lease's seed replays its draw
+    assert [c.tolist() for c, *_ in engine.act(ids, 2)] == a                   # a lease's seed replays its draw
     torch.manual_seed(8)
-    assert [c.tolist() for c, _, _ in engine.act(ids, 2)] != a                   # another lease draws apart
+    assert [c.tolist() for c, *_ in engine.act(ids, 2)] != a                   # another lease draws apart
     assert len({tuple(c) for c in a}) > 1                                        # the n samples of a prompt differ
 
 
