@@ -145,7 +145,7 @@ class HFPolicy(_Text, nn.Module):
         eos = torch.tensor(self.eos, device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
         cache, toks, logps, fed = None, [], [], []
-        # per row: its completion's ids, where its text since its last call starts, reply ids still to feed
+        # per row: its completion's ids, where the text after its last call starts, reply ids still to feed
         completions, since, replies = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
         while len(toks) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
@@ -164,8 +164,7 @@ class HFPolicy(_Text, nn.Module):
             fed.append(replying)
             done = done | (torch.isin(nxt, eos) & ~replying)
             if tools:
-                self._call_tools(tools, nxt.tolist(), replying.tolist(), done.tolist(), completions, since,
-                                 replies)
+                _call_tools(tools, self.tok, nxt.tolist(), done.tolist(), completions, since, replies)
             ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in (toks, logps, fed))          # [B, C] each
         hit = torch.isin(toks, eos.cpu()) & ~fed
@@ -181,20 +180,6 @@ class HFPolicy(_Text, nn.Module):
                              f"persists, the weights hold NaN or inf")
         return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped[b].item())
                 for b, n in enumerate(length.tolist())]
-
-    def _call_tools(self, tools, nxt, replying, done, completions, since, replies):
-        """A row whose text since its last call has just written tools.tool_stop gets tools.reply(its whole
-        completion's text) queued, as ids. vLLM stops on that string in a request's new text: the same
-        test."""
-        for b, token in enumerate(nxt):
-            if done[b]:
-                continue
-            completions[b].append(token)
-            if replying[b]:
-                since[b] = len(completions[b])
-            elif tools.tool_stop in self.decode(completions[b][since[b]:]):
-                since[b], reply = len(completions[b]), tools.reply(self.decode(completions[b]))
-                replies[b] = self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
 
     def logprobs(self, batch, entropy=False, entropy_grad=False):
         return self._logprobs(self.model, batch, entropy, entropy_grad)
@@ -260,6 +245,20 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
     # checkpointed replay writes twice (transformers' Llama overrides it, with a warning)
     return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                  **{cache_key: cache}).logits                                 # [mb, S, V]
+
+
+def _call_tools(tools, tok, nxt, done, completions, since, replies):
+    """HFPolicy's decoding step, with tools: row b appends its new id to completions[b]; if its text since
+    since[b] (its last call's reply) holds tools.tool_stop, tools.reply(its whole text)'s ids are queued in
+    replies[b]. vLLM stops on that string in a request's new text: the same test, so the same calls."""
+    for b, token in enumerate(nxt):
+        if done[b]:
+            continue
+        completions[b].append(token)
+        if tools.tool_stop in tok.decode(completions[b][since[b]:], skip_special_tokens=True):
+            reply = tools.reply(tok.decode(completions[b], skip_special_tokens=True))
+            replies[b] = tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+            since[b] = len(completions[b]) + len(replies[b])
 
 
 def _distinct(seqs, device):
@@ -367,10 +366,11 @@ def stop_ids(tok, generation_eos):
 
 def vllm_samples(outputs, eos_ids, tool_stop=None):
     """vLLM RequestOutputs (one per prompt, its n samples together) -> prompt-major lists of [completion ids
-    with the stop token kept, sampler log-probs, truncated, called]. vLLM keeps the stop token in token_ids
-    (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is "no stop
-    token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop token
-    drawn as the last allowed token said "length". called: it stopped on the tool's string (kept)."""
+    with the stop token kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop
+    token in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last.
+    truncated is "no stop token", as in HFPolicy: older vLLM checked the length limit before the stop
+    tokens, so a stop token drawn as the last allowed token said "length". called: it stopped on the
+    tool's string (kept)."""
     samples = []
     for request in outputs:
         for out in request.outputs:
@@ -379,7 +379,7 @@ def vllm_samples(outputs, eos_ids, tool_stop=None):
             assert stopped or called or out.finish_reason == "length", \
                 f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
             logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]  # {token id: Logprob}
-            samples.append([ids, logp, not stopped, bool(called)])
+            samples.append([ids, logp, [True] * len(ids), not stopped, bool(called)])
     return samples
 
 
@@ -471,23 +471,19 @@ class VLLMGenerator(_Text):
         rows = [p for p in prompt_ids for _ in range(copies)]
         samples = self._generate(rows, n, [self.max_new_tokens] * len(rows), greedy, tools)
         prompts = [p for p in rows for _ in range(n)]                                   # each sample's
-        for sample in samples:
-            sample.insert(2, [True] * len(sample[0]))               # [ids, logp, sampled, truncated, called]
-        while tools and (calls := [k for k, s in enumerate(samples) if s[4]]):
-            todo = []
-            for k in calls:
-                ids, logp, sampled, _, _ = samples[k]
-                reply = tools.reply(self.decode(ids))
+        while calls := [s for s in samples if s[4]]:              # [ids, logp, sampled, truncated, called]
+            for s in calls:
+                reply = tools.reply(self.decode(s[0]))
                 reply = self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
-                samples[k][4] = len(ids) + len(reply) < self.max_new_tokens   # else it ends at its call
-                if samples[k][4]:
-                    samples[k][:3] = ids + reply, logp + [0.0] * len(reply), sampled + [False] * len(reply)
-                    todo.append(k)
+                s[4] = len(s[0]) + len(reply) < self.max_new_tokens               # else it ends at its call
+                if s[4]:
+                    s[:3] = s[0] + reply, s[1] + [0.0] * len(reply), s[2] + [False] * len(reply)
+            todo = [k for k, s in enumerate(samples) if s[4]]
             more = self._generate([prompts[k] + samples[k][0] for k in todo], 1,
                                   [self.max_new_tokens - len(samples[k][0]) for k in todo], greedy, tools)
-            for k, (ids, logp, truncated, called) in zip(todo, more):
-                samples[k] = [samples[k][0] + ids, samples[k][1] + logp, samples[k][2] + [True] * len(ids),
-                              truncated, called]
+            for k, (ids, logp, sampled, truncated, called) in zip(todo, more):
+                old = samples[k]
+                samples[k] = [old[0] + ids, old[1] + logp, old[2] + sampled, truncated, called]
         return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
                  torch.tensor(sampled), truncated) for ids, logp, sampled, truncated, _ in samples]
 

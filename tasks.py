@@ -263,8 +263,11 @@ class LLMTask:
     rewards: list = []
     train_set = None                            # data-backed tasks: every training problem
 
-    tool_stop = "</calc>"                       # the sampler calls reply() when a completion writes it
-    tool_hint = " You have a calculator: write <calc>12*34</calc> and get <result>408</result>."
+    # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
+    # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
+    # prompts explaining it; it writes "34 * 18 =" unasked. tool: str -> str, yours may call anything.
+    tool, tool_stop = staticmethod(calculator), "="
+    tool_hint = " (A calculator: write an expression and =, like 12*34=, and it writes the value.)"
 
     def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1,
                  max_tool_calls=0):
@@ -319,14 +322,17 @@ class LLMTask:
         return [encode(p["prompt"] + (self.tool_hint if self.tools else "")) for p in problems]
 
     def reply(self, text):
-        """A completion's text so far, which just wrote tool_stop -> the reply to insert after it, or None
-        once it has had max_tool_calls replies. The call is the last <calc>...</calc> since the last reply;
-        a malformed one gets an error reply, which the model can learn from."""
-        if text.count("<result>") >= self.max_tool_calls:
+        """A completion's text so far, which just wrote tool_stop -> the reply to insert, or None: no call
+        (no digit before the "="), or max_tool_calls replies already. The call is the run of calculator
+        characters before the "="; a tool that raises replies with the error (a malformed call gets the
+        calculator's own), which the model can learn from: never an exception in the loop."""
+        expr = re.search(r"[0-9+*/() -]*$", text.rpartition(self.tool_stop)[0])[0]
+        if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
             return None
-        _, call, expr = text.rsplit("</result>", 1)[-1].rpartition("<calc>")
-        answer = calculator(expr.partition(self.tool_stop)[0]) if call else "error: write <calc>1+2</calc>"
-        return f"<result>{answer}</result>"
+        try:
+            return f"<result>{self.tool(expr)}</result>"
+        except Exception as e:
+            return f"<result>error: {type(e).__name__}: {e}</result>"
 
     def score(self, problem, completion, n_tokens):
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)

@@ -16,7 +16,7 @@ import sys
 
 PANELS = [  # (title, [(column, style)])
     ("held-out metric and training reward", [("eval_return", "o-"), ("eval_acc", "o-"), ("pass_at_k", "s--"),
-                                             ("reward", "-")]),
+                                             ("reward", "-"), ("tool_frac", ":")]),
     ("ratio and clip fraction", [("ratio", "-"), ("clip_frac", "-")]),
     ("sampler vs trainer log-probs", [("logp_gap", "-"), ("gap_out_frac", "-")]),
     ("async: staleness and drops", [("staleness", "-"), ("dropped_stale", "-"), ("dropped_no_snapshot", "-")]),

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from model import HFPolicy  # noqa: E402
-from tasks import MaxDigit  # noqa: E402
+from tasks import MaxDigit, Multiply  # noqa: E402
 from train import Config, load_checkpoint, make_optimizer, save_checkpoint, trainable, update  # noqa: E402
 
 from test_llm import as_batch  # noqa: E402
@@ -161,3 +161,27 @@ def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(smollm2, batch
     update(pol, opt, batch, adv, None, cfg, 4)          # one more step on each side
     update(again, opt2, batch, adv, None, cfg_resume, 4)
     assert tied(again.model) and torch.equal(again.model.lm_head.weight, m.lm_head.weight)  # resumed exactly
+
+
+def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol):
+    """Multiply with the calculator, greedy: SmolLM2 writes 'a * b =', the reply's ids follow, then it stops.
+    The trained ids are the sampled ids, then the reply's own ids (mask 0), then sampled ids again; encoding
+    the decoded completion would give other ids at the seam (BPE merges across it), so a re-tokenized batch
+    would score other tokens than the ones sampled."""
+    task = Multiply(eval_episodes=8, max_new_tokens=24, max_tool_calls=1)
+    pol.max_new_tokens = 24
+    try:
+        b = task.rollout(pol, task.eval_set, 1, greedy=True)
+    finally:
+        pol.max_new_tokens = 16
+    row = int(b.tool_replies().argmax())
+    assert b.tool_replies()[row] == 1, "no held-out prompt made SmolLM2 call the calculator"
+    start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
+    ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
+    k = int((~sampled).int().argmax())                                   # the reply's first position
+    n = int((~sampled).sum())
+    text = pol.decode(ids[:k])
+    reply = pol.tok(task.reply(text), add_special_tokens=False)["input_ids"]
+    assert text.endswith("=") and ids[k:k + n] == reply and sampled[k + n:].all()
+    assert (b.logp[row, start:end][~sampled] == 0).all() and (b.logp[row, start:end][sampled] < 0).all()
+    assert pol.tok(pol.decode(ids), add_special_tokens=False)["input_ids"] != ids      # re-tokenizing differs

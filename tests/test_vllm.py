@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model import VLLMGenerator, vllm_max_model_len, vllm_samples
-from tasks import GSM8K, GSM8K_PROMPT, Countdown, MaxDigit
+from tasks import GSM8K, GSM8K_PROMPT, Countdown, MaxDigit, Multiply
 
 from test_dist import free_port
 from test_llm import tiny  # noqa: F401  (fixture)
@@ -65,9 +65,9 @@ def test_prompt_major_logprobs_stop_token_and_truncation():
                FakeRequestOutput([6, 12], [completion(0, [4, EOS], [-0.75, -0.125], "length"),  # EOS drawn last
                                            completion(1, [EOS], [-4.0], "stop")])]
     samples = vllm_samples(outputs, [EOS])
-    assert [c for c, _, _, _ in samples] == [[3, EOS], [7, 8, 9], [4, EOS], [EOS]]  # prompt-major, EOS kept once
-    assert [lp for _, lp, _, _ in samples] == [[-0.5, -0.25], [-1.0, -2.0, -3.0], [-0.75, -0.125], [-4.0]]
-    assert [tr for _, _, tr, _ in samples] == [False, True, False, False]   # stopped on EOS is never truncated
+    assert [c for c, *_ in samples] == [[3, EOS], [7, 8, 9], [4, EOS], [EOS]]  # prompt-major, EOS kept once
+    assert [lp for _, lp, *_ in samples] == [[-0.5, -0.25], [-1.0, -2.0, -3.0], [-0.75, -0.125], [-4.0]]
+    assert [tr for *_, tr, _ in samples] == [False, True, False, False]   # stopped on EOS is never truncated
     assert not any(called for *_, called in samples)                        # no tool, no call
 
 
@@ -145,7 +145,7 @@ def shut_down(gen):
 
 @pytest.fixture(scope="module")
 def engine(vllm_cpu, smollm2):  # noqa: F811
-    gen = VLLMGenerator(smollm2, lora_r=8, prompt_len=lambda encode: 64, max_new_tokens=12, dtype="float32")
+    gen = VLLMGenerator(smollm2, lora_r=8, prompt_len=lambda encode: 84, max_new_tokens=12, dtype="float32")
     yield gen
     shut_down(gen)
 
@@ -176,12 +176,12 @@ def serve(engine, hf, version):
 PROMPTS = ["What is 2+3?", "Name a colour.", "Write the word hello.", "Count from 1 to 5."]
 
 
-def greedy_report(engine, hf, ids):
+def greedy_report(engine, hf, ids, tools=None):
     """Greedy completions of both engines -> (number equal, near-ties, HF's completions). Where they differ,
     HF's top-2 margin at the first differing position must be a genuine near-tie (< NEAR_TIE), else it fails."""
     equal, ties = 0, []
-    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True)]
-    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True), ours)):
+    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True, tools=tools)]
+    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True, tools=tools), ours)):
         a = a.tolist()
         if a == b:
             equal += 1
@@ -209,6 +209,30 @@ def test_greedy_vllm_equals_greedy_hf_base_and_adapter(engine, hf):
     serve(engine, hf, 1)
     equal, _, adapted = greedy_report(engine, hf, ids)
     assert equal >= len(ids) - 1 and adapted != base                 # the adapter changes the answers
+
+
+def test_greedy_multi_turn_vllm_equals_greedy_hf(engine, hf):
+    """Multiply with the calculator: vLLM stops after '=', the reply's ids are appended and a new request goes
+    on from the ids; HFPolicy feeds the same ids in its decoding loop. Token for token the same trajectories,
+    replies at the same places (near-ties reported, as above)."""
+    task = Multiply(eval_episodes=6, max_new_tokens=24, max_tool_calls=1)
+    ids = task.prompt_ids(hf.encode, task.eval_set)                     # 71 tokens: + 24 fit the engine's 96
+    random_adapter(hf, seed=0, scale=0.0)
+    engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 24, 24
+    try:
+        equal, ties, _ = greedy_report(engine, hf, ids, task)
+        theirs, ours = engine.act(ids, 1, greedy=True, tools=task), hf.act(ids, 1, greedy=True, tools=task)
+    finally:
+        engine.max_new_tokens = hf.max_new_tokens = 12
+    called = [i for i, (c, lp, sampled, _) in enumerate(theirs) if not sampled.all()]
+    print(f"multi-turn: {len(called)}/{len(ids)} greedy completions called the calculator")
+    assert equal >= len(ids) - 1 and len(called) >= len(ids) // 2
+    assert sum(torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) for a, b in zip(theirs, ours)) == equal
+    for c, lp, sampled, _ in theirs:
+        assert (lp[~sampled] == 0).all() and (lp[sampled] < 0).all()
+        if not sampled.all():                                   # the reply's ids follow the sampled "="
+            k = int((~sampled).int().argmax())
+            assert hf.decode(c[:k].tolist()).endswith("=") and task.reply(hf.decode(c[:k].tolist()))
 
 
 def test_sampled_logprobs_follow_every_adapter_version(engine, hf):
@@ -284,6 +308,33 @@ def test_bf16_sampler_logs_a_real_gap_and_tis_changes_the_update(vllm_cpu, smoll
           f"grad_norm {s0['grad_norm']:.5g} without --tis-cap, {s2['grad_norm']:.5g} with --tis-cap 2")
     assert 1e-3 < s0["logp_gap"] < 0.5 and s0["logp_gap"] == s2["logp_gap"]
     assert s0["grad_norm"] != s2["grad_norm"] and max((a - b).abs().max().item() for a, b in zip(g0, g2)) > 0
+
+
+def test_trainer_and_a_vllm_worker_with_the_calculator_keep_the_gap_at_the_fp32_floor(vllm_cpu, smollm2, tmp_path):  # noqa: F811
+    """The same run with tools on (Multiply, --max-tool-calls 1): the worker's batches carry replies (mask-0 runs
+    the trainer's gate accepts), and the trainer's scoring of the sampled tokens around them matches vLLM's."""
+    port = free_port()
+    common = ["--task", "multiply", "--model", smollm2, "--algo", "grpo", "--group-size", 2, "--n-prompts", 2,
+              "--max-new-tokens", 24, "--lora", "--lora-r", 8, "--max-staleness", 1, "--max-tool-calls", 1]
+    (tmp_path / "t").mkdir()
+    (tmp_path / "w").mkdir()
+    trainer = launch(["--role", "trainer", "--serve-port", port, "--out", tmp_path / "v", "--steps", 3, "--lr", 2e-3,
+                      "--eval-every", 0, "--solve-at", 0, "--batch-timeout", 300, *common],
+                     tmp_path / "trainer.log", tmp_path / "t")
+    worker = launch(["--role", "rollout", "--vllm", "--trainer-url", f"http://127.0.0.1:{port}", "--trainer-patience", 10,
+                     *common], tmp_path / "worker.log", tmp_path / "w")
+    try:
+        logs = lambda: "".join(f"\n--- {n}.log:\n" + (tmp_path / f"{n}.log").read_text()[-3000:] for n in ("trainer", "worker"))
+        assert trainer.wait(600) == 0, logs()
+        assert worker.wait(120) == 0, logs()
+    finally:
+        for p in (trainer, worker):
+            p.kill()
+    steps = [r for r in csv.DictReader(open(tmp_path / "v.csv")) if r["step"] != "0"]
+    print("\nwith the calculator: logp_gap " + ", ".join(f"{float(r['logp_gap']):.2e}" for r in steps)
+          + "; tool_frac " + ", ".join(r["tool_frac"] for r in steps))
+    assert len(steps) == 3 and all(0 < float(r["logp_gap"]) < 1e-4 for r in steps)
+    assert sum(float(r["tool_frac"]) for r in steps) > 0 and int(steps[-1]["refused"]) == 0
 
 
 def launch(args, log, tmp):

@@ -1,0 +1,142 @@
+"""Multi-turn tool use: the calculator, a task's reply(), HFPolicy feeding a reply mid-completion (on the tiny
+LM the project builds), and the loss that gives a reply nothing: its tokens are context, never trained on."""
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
+from core import Batch, Trajectory  # noqa: E402
+from tasks import Multiply, calculator  # noqa: E402
+from train import Config, policy_loss, update  # noqa: E402
+from utils import Adam  # noqa: E402
+
+from test_llm import policy, tiny  # noqa: E402, F401
+
+
+def test_the_calculator_is_exact_bounded_and_never_raises():
+    assert calculator(" 37*48 ") == "1776" and calculator("7/2") == "7/2" and calculator("(1+2)*3-4") == "5"
+    for bad, why in [("2+*3", "not an arithmetic"), ("5/0", "division by zero"), ("2**8", "not an arithmetic"),
+                     ("1" * 13 + "*2", "12 per number"), ("1+" * 40 + "1", "64 characters"),
+                     ("__import__('os')", "64 characters of digits"),
+                     ("999999999999*" * 4 + "9", "over 40 characters")]:     # 13 nines: 60 digits
+        assert calculator(bad).startswith("error: ") and why in calculator(bad), (bad, calculator(bad))
+
+
+def test_a_call_is_an_expression_and_equals_and_the_budget_counts_replies():
+    task = Multiply(eval_episodes=2, max_tool_calls=2)
+    assert task.reply("So 34 * 18 =") == "<result>612</result>"
+    assert task.reply("x =") is None                                   # no digit: not a call
+    assert task.reply("2+*3=") == "<result>error: not an arithmetic expression, or a division by zero</result>"
+    assert task.reply("34*18=<result>612</result>, 612/2=") == "<result>306</result>"
+    assert task.reply("1*1=<result>1</result> 2*2=<result>4</result> 3*3=") is None     # 2 replies: the budget
+    task.tool = lambda expr: 1 / 0                                       # a user's tool that raises
+    assert task.reply("1+1=") == "<result>error: ZeroDivisionError: division by zero</result>"
+
+
+class Scripted:
+    """A tools object (tasks.LLMTask's protocol: tool_stop, reply(text)) that replies `reply` whenever a
+    completion's text since its last call contains `stop`, and records the texts it was asked about. A test
+    object because the tiny LM's random weights never write a calculator call; the sampler is the real one."""
+
+    def __init__(self, stop, reply):
+        self.tool_stop, self.answer, self.asked = stop, reply, []
+
+    def reply(self, text):
+        self.asked.append(text)
+        return self.answer
+
+
+def lively(pol):
+    """The tiny LM's weights redrawn N(0, 1): its own init decodes '==========' from every prompt greedily,
+    which can show neither a call in one row and none in another nor a continuation that depends on it."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in pol.model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return pol
+
+
+def greedy(pol, prompts, tools=None):
+    return pol.act(prompts, 1, greedy=True, tools=tools)
+
+
+def test_a_reply_is_fed_in_lockstep_token_in_token_out(tiny):  # noqa: F811
+    """Row 0 calls after its first 2 tokens, row 1 never (its greedy text has no such string): row 0's trained
+    ids are its 2 sampled ids, the reply's own ids, then exactly what greedy decoding continues with from that
+    whole sequence as a fresh prompt (the KV cache stayed valid); row 1 is untouched; replies have mask 0."""
+    pol = lively(policy(tiny, max_new_tokens=10))
+    prompts = [pol.encode("1="), pol.encode("77 0 5 4=")]                 # greedy: '7 74397777', '248 2222'
+    plain = [c.tolist() for c, *_ in greedy(pol, prompts)]
+    stop = pol.decode(plain[0][:2])
+    assert stop not in pol.decode(plain[1]) and stop not in pol.decode(plain[0][:1]), "pick other prompts"
+    tools = Scripted(stop, "42")
+    (c0, lp0, sampled0, _), (c1, lp1, sampled1, _) = greedy(pol, prompts, tools)
+    reply = pol.tok("42", add_special_tokens=False)["input_ids"]
+    head = plain[0][:2] + reply
+    rest = greedy(pol, [prompts[0] + head])[0][0].tolist()[:10 - len(head)]
+    assert c0.tolist() == head + rest and tools.asked[0] == stop
+    assert sampled0.tolist() == [True, True] + [False] * len(reply) + [True] * len(rest)
+    assert (lp0[~sampled0] == 0).all() and (lp0[sampled0] < 0).all()
+    assert c1.tolist() == plain[1] and sampled1.all()
+
+
+def test_no_reply_leaves_a_row_as_it_was_and_a_reply_past_the_budget_ends_it_at_its_call(tiny):  # noqa: F811
+    pol = lively(policy(tiny, max_new_tokens=6))
+    prompts = [pol.encode("1=")]
+    plain = greedy(pol, prompts)[0]
+    stop = pol.decode(plain[0][:2].tolist())
+    none = greedy(pol, prompts, Scripted(stop, None))[0]               # out of calls: reply() says None
+    assert none[0].tolist() == plain[0].tolist() and none[2].all() and none[3] == plain[3]
+    c, lp, sampled, truncated = greedy(pol, prompts, Scripted(stop, "1234567"))[0]  # 2 + 7 ids > 6 allowed
+    assert c.tolist() == plain[0][:2].tolist() and sampled.all() and truncated        # ends at its call
+
+
+def as_batch(prompt, completion, sampled, reward=1.0):
+    ids = torch.tensor(prompt + completion.tolist())
+    rewards = torch.zeros(len(ids))
+    rewards[-1] = reward
+    mask = torch.cat([torch.zeros(len(prompt)), sampled.float()])
+    return Trajectory(states=ids, actions=ids, logp=torch.zeros(len(ids)), rewards=rewards, mask=mask)
+
+
+def test_a_reply_contributes_nothing_to_the_loss_or_the_gradient_whatever_its_logits(tiny):  # noqa: F811
+    """One GRPO update (entropy bonus and KL on) with the logits that predict the reply's tokens replaced by
+    noise: the same loss, the same metrics, the same weights after the step, bit for bit."""
+    pol = lively(policy(tiny, max_new_tokens=10, lora_r=4))
+    prompts = [pol.encode("1="), pol.encode("77 0 5 4=")]
+    stop = pol.decode(greedy(pol, prompts[:1])[0][0][:2].tolist())
+    samples = pol.act(prompts, 2, tools=Scripted(stop, "42"))
+    rows = [as_batch(prompts[i // 2], c, s, float(i % 2)) for i, (c, _, s, _) in enumerate(samples)]
+    batch = Batch.from_groups([rows[:2], rows[2:]])
+    assert batch.tool_replies().sum() > 0, "no row called the tool: pick other prompts"
+    adv = torch.tensor([-1.0, 1, -1, 1])[:, None] * batch.mask
+    cfg = Config(task="maxdigit", model=tiny, lora=True, ent_coef=0.01, kl_coef=0.1, inner_epochs=2)
+
+    def step(noise):
+        torch.manual_seed(0)
+        pol = lively(policy(tiny, max_new_tokens=10, lora_r=4))
+        hook = pol.model.get_output_embeddings().register_forward_hook(noise) if noise else None
+        stats = update(pol, Adam(list(pol.param_groups().values()), lr=1e-2), batch, adv, None, cfg, 10)
+        if hook:
+            hook.remove()
+        return stats, [p.detach().clone() for p in pol.param_groups()["actor"]]
+
+    def noise(module, inputs, logits):          # [mb, S, V]: logits[i, j] predict row i's completion token j
+        if logits.shape[1] == 1:
+            return logits                         # the shared prefix's forward (logits_to_keep=1)
+        P = batch.mask.argmax(1)
+        reply = torch.stack([batch.mask[i, P[i]:P[i] + logits.shape[1]] for i in range(len(batch))]) == 0
+        return logits + 1e4 * torch.randn_like(logits) * reply[..., None]
+
+    (plain, w0), (noisy, w1) = step(None), step(noise)
+    assert plain == noisy and all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def test_the_loss_on_a_completion_with_a_reply_by_hand():
+    """logp [0, -1, (-9: a reply), -2], mask [0, 1, 0, 1] (prompt, sampled, reply, sampled), advantage 1,
+    one epoch (ratio 1), token aggregation: loss = -(1 + 1) / 2 = -1 and d loss / d logp = [0, -1/2, 0, -1/2]:
+    the reply's -9 is in neither the sum nor the count."""
+    logp = torch.tensor([[0.0, -1, -9, -2]], requires_grad=True)
+    mask = torch.tensor([[0.0, 1, 0, 1]])
+    loss, ratio = policy_loss(logp, logp.detach(), torch.ones(1, 4), mask, 0.2, 0.2, "token", mask.sum())
+    loss.backward()
+    assert loss.item() == -1.0 and logp.grad.tolist() == [[0.0, -0.5, 0.0, -0.5]]
