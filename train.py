@@ -21,6 +21,7 @@ import time
 T0 = time.time()  # "time to solve" is measured from here, before torch is imported
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import difflib  # noqa: E402
 import importlib.util  # noqa: E402
@@ -50,8 +51,8 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
-def arg(default, help, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help, choices=None):   # metadata: the flag's add_argument keywords (argparse %-formats help)
+    return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices})
 
 
 @dataclass
@@ -162,7 +163,7 @@ def train(cfg):
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
-    broadcast_params(list(trainable(policy).values()))
+    broadcast_params(trainable(policy).values())
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
@@ -264,7 +265,7 @@ BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
             "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
-          (("max_staleness",), lambda v: v >= 0, ">= 0"),
+          (("max_staleness",), lambda v: v >= 0, ">= 0 (0: only batches of the current weights)"),
           (("lr", "temperature", "batch_timeout", "lease_timeout"), lambda v: v > 0, "> 0"),
           (("gamma", "lam"), lambda v: 0 <= v <= 1, "in [0, 1]"),
           (("clip_eps",), lambda v: 0 < v < 1, "in (0, 1)")]
@@ -273,9 +274,8 @@ BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_
 def validate(cfg, world=1):
     """Every user error, before any work; each message names the flag and the fix."""
     llm = cfg.is_llm
-    errors = []
-    for names, ok, bound in BOUNDS:
-        errors += [f"{flag(name)} must be {bound}" for name in names if not ok(getattr(cfg, name))]
+    errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
+              if not ok(getattr(cfg, name))]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
     rules = [   # (broken, message)
         (cfg.n_prompts < 1 or cfg.n_prompts % world,
@@ -287,6 +287,8 @@ def validate(cfg, world=1):
          f"is 0): use --group-size 8, or --algo reinforce"),
         (cfg.algo in NEEDS_CRITIC and llm,
          f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
+        (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS,   # returns run over mask-1 steps only
+         f"--max-tool-calls needs --algo grpo or rloo: {cfg.algo}'s returns would stop at a tool reply"),
         (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls),
          f"--model, --lora and --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: drop "
          f"them"),
@@ -327,8 +329,7 @@ def validate(cfg, world=1):
 
 def free_name(cfg):
     """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
-    base = os.path.join("runs", os.path.splitext(os.path.basename(cfg.config))[0] if cfg.config
-                        else f"{cfg.task}_{cfg.algo}")
+    base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
     name, n = base, 1
     while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
         n += 1
@@ -380,21 +381,20 @@ def stop_requests():
     the step, every rank learns it from one all-reduce per step, and all save and exit together. Raising
     at once instead left weights half-stepped, or one rank gone while another sat in a collective (no
     checkpoint). Another signal over 2 s later quits at once, unsaved (sooner, it is the same Ctrl-C again,
-    as torchrun forwards the terminal's to ranks that got it already). -> [(signal, time)], empty: none"""
+    as torchrun forwards the terminal's to ranks that got it already). -> [time of the first], empty: none"""
     asked = []
     if threading.current_thread() is not threading.main_thread():
         yield asked                                     # signal handlers live in the main thread only
         return
 
     def ask(signum, frame):
-        if asked:
-            if time.monotonic() - asked[0][1] > 2:
-                raise KeyboardInterrupt
-            return
-        asked.append((signum, time.monotonic()))
-        # os.write, not print(): the main thread may be inside print() when the signal comes
-        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (send it "
-                    f"again to quit at once, unsaved)\n".encode())
+        if asked and time.monotonic() - asked[0] > 2:
+            raise KeyboardInterrupt
+        if not asked:
+            asked.append(time.monotonic())
+            # os.write, not print(): the main thread may be inside print() when the signal comes
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (send "
+                        f"it again to quit at once, unsaved)\n".encode())
     old = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield asked
@@ -411,29 +411,25 @@ def evaluate(task, policy, cfg, log, rank, world):
 
 
 def make_task(cfg):
-    if not cfg.is_llm:
-        return TASKS[cfg.task](eval_episodes=cfg.eval_episodes)
-    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, data=cfg.data, overlong_cache=cfg.overlong_cache,
-                           max_new_tokens=cfg.max_new_tokens, pass_k=cfg.pass_k,
-                           max_tool_calls=cfg.max_tool_calls)
+    llm_keys = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls") if cfg.is_llm else ()
+    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm_keys})
 
 
 def make_policy(cfg, task):
     if not cfg.is_llm:
         return MLPPolicy(task.obs_dim, task.n_actions, cfg.hidden, critic=cfg.algo in NEEDS_CRITIC,
                          reference=cfg.kl_coef > 0)
+    sampling = {k: getattr(cfg, k) for k in ("dtype", "temperature", "max_new_tokens", "thinking")}
     if cfg.vllm:
-        return VLLMGenerator(cfg.model, cfg.lora_r, task.max_prompt_len, temperature=cfg.temperature,
-                             max_new_tokens=cfg.max_new_tokens, dtype=cfg.dtype, seed=cfg.seed,
-                             thinking=cfg.thinking, gpu_memory_utilization=cfg.vllm_mem)
+        return VLLMGenerator(cfg.model, cfg.lora_r, task.max_prompt_len, seed=cfg.seed,
+                             gpu_memory_utilization=cfg.vllm_mem, **sampling)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
     t0, say = time.time(), Logger(enabled=os.environ.get("RANK", "0") == "0").info   # once, not once per rank
     say(f"loading {cfg.model} ...")
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
-                      lora_targets=targets, dtype=cfg.dtype, temperature=cfg.temperature,
-                      max_new_tokens=cfg.max_new_tokens, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
-                      thinking=cfg.thinking, ref_copy=cfg.ref_copy,
+                      lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
+                      ref_copy=cfg.ref_copy, **sampling,
                       device=local_device(True))        # init_distributed's choice: a GPU per rank, or CPU
     n, n_train = (sum(p.numel() for p in ps) / 1e6
                   for ps in (policy.parameters(), trainable(policy).values()))
@@ -502,7 +498,7 @@ def rollout_worker(cfg, task, threads):
                         except Rejected as e:           # 404: published again since the lease: take the newer
                             if e.status != 404:
                                 raise
-                            v = client.version()
+                            v = client.info()["version"]
                     seed = int(lease_id[:15], 16)       # leases are random: workers draw different prompts
                     torch.manual_seed(seed)
                     prompts = task.sample(per_batch, np.random.default_rng([cfg.seed, seed]))
@@ -516,8 +512,8 @@ def rollout_worker(cfg, task, threads):
                 print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
     except Rejected as e:
         if e.status != 410:                             # 401/403: NANORL_TOKEN differs
-            why = e.body["error"]
-            raise ValueError(f"the trainer at {cfg.trainer_url} refused this worker: {why}") from None
+            raise ValueError(f"the trainer at {cfg.trainer_url} refused this worker: "
+                             f"{e.body['error']}") from None
         print(f"worker: {e.body['error']}; exiting after {n} batches", flush=True)
     except TrainerGone as e:
         print(f"worker: {e}; exiting after {n} batches", flush=True)
@@ -526,11 +522,10 @@ def rollout_worker(cfg, task, threads):
 
 def connect(client, cfg):
     """The trainer's /info; a worker started first says at once that it waits, and for how long."""
-    try:
+    with contextlib.suppress(TrainerGone):
         return client.info(patience=0)
-    except TrainerGone:
-        print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
-              f"{cfg.trainer_patience:g} s) ...", flush=True)
+    print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
+          f"{cfg.trainer_patience:g} s) ...", flush=True)
     try:
         return client.info()
     except TrainerGone:
@@ -543,10 +538,7 @@ def load_weights(policy, client, run, version, cfg):
     if cfg.vllm:
         policy.load_adapter(version, client.adapter(run, version, policy.adapter_dir(version)), run)
         return
-    tensors = client.weights(run, version)
-    with torch.no_grad():
-        for n, p in trainable(policy).items():          # a KeyError, never a weight silently left as it was
-            p.copy_(tensors[n])
+    set_weights(policy, client.weights(run, version))
 
 
 def fingerprint(cfg, prompts_per_batch):
@@ -569,6 +561,14 @@ def batch_limits(cfg, task, policy, prompts_per_batch):
 
 def trainable(policy):
     return {n: p for n, p in policy.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def set_weights(policy, tensors):
+    """Copy tensors by name into the trainable weights. copy_, not load_state_dict(strict=False): a missing
+    name is a KeyError, never a weight silently left as it was (or live weights scoring as old ones)."""
+    for n, p in trainable(policy).items():
+        p.copy_(tensors[n])
 
 
 def publish(policy, cfg, version, snapshots, server):
@@ -631,28 +631,22 @@ def score(policy, batch, micro_batch):
 @torch.no_grad()
 def old_logprobs(policy, batch, snapshot, micro_batch):
     """Swap in the weights that sampled the batch, score it, restore the current weights bit for bit."""
-    params = trainable(policy)
-    current = {n: p.detach().clone() for n, p in params.items()}
+    current = {n: p.detach().clone() for n, p in trainable(policy).items()}
     try:
-        # copy_, not load_state_dict(strict=False): a missing name fails, never scores the live weights
-        for n, p in params.items():
-            p.copy_(snapshot[n])
+        set_weights(policy, snapshot)
         return score(policy, batch, micro_batch)
     finally:
-        for n, p in params.items():
-            p.copy_(current[n])
+        set_weights(policy, current)
 
 
 def batch_stats(batch, tools):
     """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
     R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
     dead = (R == R[:, :1]).all(1).float().sum().item() if batch.group_size > 1 else 0.0
-    return {"reward": all_sum(R.sum().item()) / n,
-            "completion_len": all_sum(batch.lengths().sum().item()) / n,
-            "truncated_frac": all_sum(batch.truncated.float().sum().item()) / n,
-            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts),
-            **({"tool_calls": all_sum(replies.sum().item()) / n,
-                "tool_frac": all_sum((replies > 0).sum().item()) / n} if tools else {})}
+    per_row = {"reward": R, "completion_len": batch.lengths(), "truncated_frac": batch.truncated,
+               **({"tool_calls": replies, "tool_frac": replies > 0} if tools else {})}
+    return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
+            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
 
 def aggregate(x, mask, agg, denom):
@@ -672,7 +666,6 @@ def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
 
 
 STALE_CAP = 1.0   # the largest weight pi_now / pi_then a stale sample gets (IMPALA-style truncation)
-STATS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "entropy", "logp_gap", "gap_out_frac"]
 
 
 def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
@@ -685,12 +678,12 @@ def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
     old = []                                            # the weights' before this update, per micro-batch
     behaviour = old if old_logp is None else old_logp   # the sampler's: sync, these very weights
-    ref = [policy.ref_logprobs(batch[s]) if cfg.kl_coef else None for s in mbs]
+    ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
     groups = policy.param_groups()
     skipped = 0
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
-        sums = dict.fromkeys(STATS, 0.0)
+        sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
             mb, a, m = batch[s], adv[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
@@ -701,24 +694,24 @@ def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
                 a = a * torch.exp(behaviour[i] - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
-            kl = torch.zeros_like(logp)
-            if ref[i] is not None:                      # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
+            gap = mb.logp - behaviour[i]                # sampler's minus ours: 0 with the same kernels
+            per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high),
+                       "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
+            if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp
-                kl = torch.exp(d) - d - 1
-                loss = loss + cfg.kl_coef * aggregate(kl, m, cfg.loss_agg, denom)
-            vf = torch.zeros(())
+                per_tok["kl"] = torch.exp(d) - d - 1
+                loss = loss + cfg.kl_coef * aggregate(per_tok["kl"], m, cfg.loss_agg, denom)
+            scalars = {"pg_loss": pg}                   # logged as they are; per_tok, as per-token means
             if target is not None:                      # critic: 0.5 (V - target)^2 per step
                 vf = aggregate(0.5 * (policy.value(mb.states) - target[s]) ** 2, m, "token", n_tok)
                 loss = loss + cfg.vf_coef * vf
+                scalars["vf_loss"] = vf
             loss.backward()
-            clipped = (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high)
-            per_tok = lambda x: masked_sum(x.detach().float(), m).item() / n_tok
-            gap = mb.logp - behaviour[i]                # sampler's minus ours: 0 with the same kernels
-            for k, v in zip(STATS, (loss.item(), pg.item(), vf.item(), per_tok(ratio), per_tok(clipped),
-                                    per_tok(kl), per_tok(ent), per_tok(gap.abs()),
-                                    per_tok((gap.exp() - 1).abs() > 0.1))):
-                sums[k] += v
-        all_reduce_grads([p for ps in groups.values() for p in ps])
+            for k, x in {"loss": loss, **scalars}.items():
+                sums[k] += x.item()
+            for k, x in per_tok.items():
+                sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
+        all_reduce_grads(policy.parameters())           # those with a gradient: frozen ones have none
         norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
                  for name, ps in groups.items()}
         if all(torch.isfinite(n) for n in norms.values()):
@@ -727,19 +720,13 @@ def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
             skipped += 1
             print(f"skipped update (epoch {epoch}): non-finite gradient norm "
                   f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr, flush=True)
-    stats = dict(zip(STATS, all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()),
-                 grad_norm=norms["actor"].item(), skipped=skipped)
-    if target is None:
-        del stats["vf_loss"]
-    if ref[0] is None:
-        del stats["kl"]
-    return stats
+    return dict(zip(sums, all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()),
+                grad_norm=norms["actor"].item(), skipped=skipped)
 
 
 def save_checkpoint(cfg, policy, opt, state):
     """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
-    path = cfg.out + ".pt"
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    path = cfg.out + ".pt"                              # its folder exists: rank 0's Logger.open_csv made it
     weights = {n: p.detach().cpu() for n, p in trainable(policy).items()}  # not a frozen base
     torch.save({"format": "nanorl-1", "config": asdict(cfg), "policy": weights,
                 "optimizer": opt.state_dict(), **state}, path + ".tmp")
@@ -802,19 +789,16 @@ def parse_config(argv=None):
     p.error = fail
     for f in fields(Config):
         kw = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
-              else {"type": type(f.default), "choices": f.metadata["choices"]})
-        help = f.metadata["help"].replace("%", "%%")  # argparse %-formats help: "30%" crashed --help
-        p.add_argument(flag(f.name), default=f.default, help=help, **kw)
+              else {"type": type(f.default)})
+        p.add_argument(flag(f.name), default=f.default, **kw, **f.metadata)
     argv = sys.argv[1:] if argv is None else list(argv)
     pre, unknown = p.parse_known_args(argv)
     for typo in [u.split("=")[0] for u in unknown if u.startswith("--")][:1]:
-        close = difflib.get_close_matches(typo.replace("_", "-"), map(flag, Config.__dataclass_fields__), n=1,
-                                          cutoff=0.7)
+        close = difflib.get_close_matches(typo.replace("_", "-"), map(flag, vars(pre)), cutoff=0.7)
         raise ValueError(f"unknown flag {typo}" + (f": did you mean {close[0]}?" if close else ""))
     if pre.resume and os.path.isfile(pre.resume):     # resume with the settings the run was started with
         saved = read_checkpoint(pre.resume, mmap=True)["config"]
-        p.set_defaults(**{k: v for k, v in saved.items() if k in Config.__dataclass_fields__
-                          and k not in ("resume", "config")})
+        p.set_defaults(**{k: v for k, v in saved.items() if k in vars(pre) and k not in ("resume", "config")})
     preset = read_yaml(pre.config) if pre.config else []     # before the flags, which win
     return Config(**vars(p.parse_args(preset + argv)))
 
@@ -826,8 +810,7 @@ def read_yaml(path):
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
     try:
-        with open(path) as fh:
-            d = yaml.safe_load(fh) or {}
+        d = yaml.safe_load(pathlib.Path(path).read_text()) or {}
     except yaml.YAMLError as e:
         where = f" at line {e.problem_mark.line + 1}" if getattr(e, "problem_mark", None) else ""
         why = getattr(e, "problem", None) or e
@@ -844,23 +827,19 @@ def read_yaml(path):
     return flags
 
 
-def user_error(e):
-    """One 'error: ...' (rank 0 only under torchrun, which would print it once per rank), also written to
-    torchrun's error file, so that its failure summary names the cause instead of "To enable traceback"."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
-    sys.exit(1)
-
-
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C
     try:
         train(parse_config())
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
-        user_error(e)
+        # one 'error: ...' (rank 0 only under torchrun, which would print it once per rank), also written to
+        # torchrun's error file, so that its failure summary names the cause instead of "To enable traceback"
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                with open(path, "w") as f:
+                    json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
+        sys.exit(1)
     except (StopRun, KeyboardInterrupt):                # saved, said how to resume; or quit at once, unsaved
         sys.exit(130)
     if torch.distributed.is_initialized():  # torch asks: no process group left to the interpreter's exit

@@ -53,7 +53,7 @@ def wait_for_port(port, deadline=60):
     client = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0)
     for _ in range(deadline * 10):
         try:
-            return client.version()
+            return client.info()["version"]
         except Exception:
             time.sleep(0.1)
     raise TimeoutError("trainer never came up")
@@ -282,7 +282,7 @@ def test_a_held_and_hostile_trainer_still_trains_to_its_last_step(tmp_path):
     def hostile():                                      # over and over while the worker trains
         with contextlib.suppress(OSError):
             while not stop.is_set():
-                for p in ("/version", "/info", "/weights?version=1", "/lease?worker=a", "/renew?lease=x", "/batch"):
+                for p in ("/info", "/weights?version=1", "/lease?worker=a", "/renew?lease=x", "/batch"):
                     for h in ({}, {"Authorization": "Bearer nope"}, {"Authorization": TOKEN}):
                         statuses.extend([status_of(port, "POST", p, h, b"{}"), status_of(port, "GET", p, h)])
                 statuses.extend(status_of(port, "POST", "/batch", auth, body) for body in bad_batches(marker))
@@ -538,7 +538,7 @@ def flood(port: int, per_s: int, seconds: float, threads: int = 1, hold: float =
                 tried[i] += 1
                 with contextlib.suppress(OSError):
                     s = socket.create_connection(("127.0.0.1", port), timeout=1)
-                    s.sendall(b"GET /version HTTP/1.1\r\nHost: 127.0.0.1\r\n")     # the rest never comes
+                    s.sendall(b"GET /info HTTP/1.1\r\nHost: 127.0.0.1\r\n")     # the rest never comes
                     held.append((now + hold, s))
                     opened[i] += 1
             time.sleep(0.002)

@@ -35,7 +35,7 @@ def as_batch(prompts, samples, G, rewards=None):
         r[-1] = rewards[i] if rewards else float(i % 2)
         rows.append(Trajectory(states=ids, actions=ids, logp=torch.cat([torch.zeros(len(p)), lp]), rewards=r,
                                mask=torch.cat([torch.zeros(len(p)), sampled.float()]), truncated=tr))
-    return Batch.from_groups([rows[i:i + G] for i in range(0, len(rows), G)])
+    return Batch.from_rows(rows, G)
 
 
 def test_tokenizer_round_trips_exactly(tiny):

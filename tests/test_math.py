@@ -52,7 +52,7 @@ def llm_batch(rewards, G):
     """Rows shaped like LLM rows: 1 prompt token (mask 0), 2 completion tokens, reward on the last."""
     rows = [Trajectory(states=torch.zeros(3, dtype=torch.long), actions=torch.zeros(3, dtype=torch.long),
                        logp=torch.zeros(3), rewards=T([0.0, 0, r]), mask=T([0.0, 1, 1])) for r in rewards]
-    return Batch.from_groups([rows[i:i + G] for i in range(0, len(rows), G)])
+    return Batch.from_rows(rows, G)
 
 
 def test_grpo_dr_grpo_rloo_and_uniform_groups():

@@ -88,7 +88,7 @@ def test_publish_version_weights_and_the_cpu_alias(serve):
     live = torch.zeros(3)
     server.publish(1, {"w": live, "b": torch.ones(2, 2)})
     live.add_(7)                                                    # the optimizer steps in place after publishing
-    assert client.version() == 1
+    assert client.info()["version"] == 1
     got = client.weights(server.run, 1)
     assert torch.equal(got["w"], torch.zeros(3))
     assert client.info()["names"] == {"w": [[3], "float32"], "b": [[2, 2], "float32"]}
@@ -238,11 +238,11 @@ def test_empty_token_and_gone_trainer(serve):
     with pytest.raises(ValueError, match="NANORL_TOKEN"):
         TrainerServer("", FP, 2, limits=LIMITS)
     server, client = serve()                                        # the client: 2 tries, 0.01 s backoff
-    assert client.version() == 1
+    assert client.info()["version"] == 1
     server.stop()
     t0 = time.time()
     with pytest.raises(TrainerGone):
-        client.version()
+        client.info()["version"]
     assert time.time() - t0 < 2, "a worker must notice soon that the trainer is gone"
 
 
@@ -342,7 +342,7 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     good = make_batch(seed=42)
     submit(client, good)
     port, auth = server.port, {"Authorization": f"Bearer {TOKEN}"}
-    paths = ["/version", "/info", "/weights?version=1", "/adapter?version=1", "/lease", "/batch", "/nope", "/"]
+    paths = ["/info", "/weights?version=1", "/adapter?version=1", "/lease", "/batch", "/nope", "/"]
     statuses = []
     for p in paths:                                                 # no, wrong, mis-schemed tokens on every path
         for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
@@ -372,7 +372,7 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     statuses += [got for _, got in exact]
     statuses += [status_raw(port, {**auth, "Content-Length": n}, b"abc") for n in ("abc", "-3", "1e3", "+3")]
     short = f"POST /batch HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 100\r\n\r\nshort".encode()
-    statuses += [status_socket(port, d) for d in (short, b"GARBAGE\r\n\r\n", b"GET /version\r\n\r\n",
+    statuses += [status_socket(port, d) for d in (short, b"GARBAGE\r\n\r\n", b"GET /info\r\n\r\n",
                                                     b"\x16\x03\x01\x00\xa5\x01\x00\r\n\r\n",   # a TLS hello
                                                     b"GET " + b"a" * 70000 + b" HTTP/1.1\r\n\r\n")]
     assert len(statuses) >= 200
@@ -385,7 +385,7 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
         unpack_adapter(b"not an adapter", str(tmp_path / "junk"))
     assert not os.path.exists("/tmp/nanorl-abs") and not os.path.exists(tmp_path / "escape")
     # the server still answers, the good batch survived bit for bit, and a new good submit works
-    assert client.version() == 1
+    assert client.info()["version"] == 1
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
     server.publish(2, {"w": torch.zeros(3)})        # the trainer took its batch: the next lease is for version 2
     submit(client, make_batch(version=2, seed=7))

@@ -106,7 +106,7 @@ def test_a_reply_contributes_nothing_to_the_loss_or_the_gradient_whatever_its_lo
     stop = pol.decode(greedy(pol, prompts[:1])[0][0][:2].tolist())
     samples = pol.act(prompts, 2, tools=Scripted(stop, "42"))
     rows = [as_batch(prompts[i // 2], c, s, float(i % 2)) for i, (c, _, s, _) in enumerate(samples)]
-    batch = Batch.from_groups([rows[:2], rows[2:]])
+    batch = Batch.from_rows(rows, 2)
     assert batch.tool_replies().sum() > 0, "no row called the tool: pick other prompts"
     adv = torch.tensor([-1.0, 1, -1, 1])[:, None] * batch.mask
     cfg = Config(task="maxdigit", model=tiny, lora=True, ent_coef=0.01, kl_coef=0.1, inner_epochs=2)
