@@ -29,10 +29,11 @@ def ppo(batch, policy, gamma, lam):
     return whiten(adv, batch.mask), (adv + values) * batch.mask
 
 
-def _group_check(batch):
+def _grouped_rewards(batch):
     if batch.group_size < 2:
         raise ValueError("group baselines need --group-size >= 2 (a group of one is its own "
                          "baseline, so every advantage would be 0): use --group-size 8")
+    return batch.grouped_rewards()                                           # [n_prompts, G]
 
 
 def _per_token(A, batch):
@@ -46,8 +47,7 @@ def _per_token(A, batch):
 def grpo(batch, policy, std_norm):
     """A_i = (R_i - mean R_group) / (std R_group + 1e-6), std unbiased (Shao et al. 2024).
     std_norm=False is Dr. GRPO's estimator (Liu et al. 2025): A_i = R_i - mean R_group."""
-    _group_check(batch)
-    R = batch.grouped_rewards()                                              # [n_prompts, G]
+    R = _grouped_rewards(batch)                                              # [n_prompts, G]
     A = R - R.mean(1, keepdim=True)
     if std_norm:
         A = A / (R.std(1, keepdim=True) + 1e-6)
@@ -56,8 +56,7 @@ def grpo(batch, policy, std_norm):
 
 def rloo(batch, policy):
     """A_i = R_i - mean of the other G-1 rewards of its group (Ahmadian et al. 2024)."""
-    _group_check(batch)
-    R, G = batch.grouped_rewards(), batch.group_size                        # [n_prompts, G]
+    R, G = _grouped_rewards(batch), batch.group_size                        # [n_prompts, G]
     return _per_token(R - (R.sum(1, keepdim=True) - R) / (G - 1), batch), None
 
 

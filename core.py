@@ -13,6 +13,7 @@ inside a completion (--max-tool-calls) is context: its ids are in states, with m
 from dataclasses import dataclass, fields, replace
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 @dataclass
@@ -43,14 +44,11 @@ class Batch:
     def from_rows(rows, group_size, version=0):
         """Rows in prompt-major order, each prompt's group_size rows contiguous -> their Batch."""
         assert len(rows) % group_size == 0, "every group needs the same size"
-        pad = lambda xs: torch.nn.utils.rnn.pad_sequence(xs, batch_first=True)  # zero right-pad
+        pad = lambda field: pad_sequence([getattr(tr, field) for tr in rows], batch_first=True)
         has_final = rows[0].final_state is not None
-        return Batch(
-            states=pad([tr.states for tr in rows]),                        # [N, T, O] or [N, T]
-            actions=pad([tr.actions for tr in rows]),                      # [N, T]
-            logp=pad([tr.logp for tr in rows]),                            # [N, T]
-            rewards=pad([tr.rewards for tr in rows]),                      # [N, T]
-            mask=pad([tr.mask.float() for tr in rows]),                    # [N, T]
+        return Batch(                                                      # states [N, T, O] or [N, T]
+            **{field: pad(field) for field in ("states", "actions", "logp", "rewards")},  # zero right-padded
+            mask=pad("mask").float(),                                      # [N, T]
             truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
             group_id=torch.arange(len(rows) // group_size).repeat_interleave(group_size),   # [N]
             final_states=torch.stack([tr.final_state for tr in rows]) if has_final else None,
@@ -79,16 +77,13 @@ class Batch:
         size = size or len(self)
         return [slice(i, i + size) for i in range(0, len(self), size)]
 
-    def row_rewards(self):
-        return self.rewards.sum(1)                                          # [N]
-
     def grouped_rewards(self):
-        return self.row_rewards().view(self.n_prompts, self.group_size)     # [n_prompts, G]
+        return self.rewards.sum(1).view(self.n_prompts, self.group_size)    # [n_prompts, G]
 
     def lengths(self):
         return self.mask.sum(1)                                             # [N]
 
     def tool_replies(self):
         """Tool replies inserted in each row: the runs of 0s between runs of 1s in its mask."""
-        starts = self.mask.diff(1, prepend=torch.zeros_like(self.mask[:, :1])) > 0    # [N, T] a run begins
+        starts = self.mask.diff(prepend=torch.zeros_like(self.mask[:, :1])) > 0       # [N, T] a run begins
         return starts.sum(1) - 1                                                      # [N]

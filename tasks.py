@@ -51,9 +51,8 @@ class CartPole:
     def rollout(self, policy, prompts, group_size, greedy=False):
         seeds = np.repeat(prompts, group_size)                              # groups contiguous
         s = np.stack([np.random.default_rng(seed).uniform(-0.05, 0.05, 4) for seed in seeds])  # [N, 4]
-        N = len(s)
         steps = []                                                          # (obs, action, logp) per step
-        alive, length = np.ones(N, bool), np.zeros(N, np.int64)
+        alive, length = np.ones(len(s), bool), np.zeros(len(s), np.int64)
         for _ in range(self.max_len):
             o = s.astype(np.float32)                                         # gymnasium's obs dtype
             a, lp = policy.act(o, greedy)
@@ -73,7 +72,7 @@ class CartPole:
     def evaluate(self, policy, rank=0, world=1):
         """Greedy return on the held-out seeds, all episodes at once; ranks split them and sum."""
         seeds = range(EVAL_SEED0 + rank, EVAL_SEED0 + self.eval_episodes, world)
-        total = self.rollout(policy, seeds, 1, greedy=True).row_rewards().sum().item() if seeds else 0.0
+        total = self.rollout(policy, seeds, 1, greedy=True).rewards.sum().item() if seeds else 0.0
         return {"eval_return": all_sum(total) / self.eval_episodes}
 
 
@@ -90,8 +89,8 @@ def extract_answer(completion):
     """Text inside the LAST <answer>...</answer> pair, stripped; None without a pair.
     rfind, not a regex: a non-greedy pattern is quadratic on 100k characters of '<answer>'."""
     end = completion.rfind("</answer>")
-    start = completion.rfind("<answer>", 0, max(end, 0))
-    return None if end < 0 or start < 0 else completion[start + len("<answer>"):end].strip()
+    start = completion.rfind("<answer>", 0, max(end, 0))         # -1 too when there is no </answer>
+    return None if start < 0 else completion[start + len("<answer>"):end].strip()
 
 
 def format_reward(prompt, completion, answer):
@@ -102,10 +101,9 @@ def format_reward(prompt, completion, answer):
 
 
 def _evaluate(expr):
-    """Exact Fraction value, by Python's own parser (the tree is only read, never executed), of an expression
-    already checked to be at most MAX_EXPR ASCII digits, + - * / ( ) and spaces (so ~100 nested parentheses at
-    most: far inside the parser's limits and this recursion). None on a syntax error ('3 4', '()',
-    unbalanced), a node other than an int or + - * / (unary '-', '**', '//', '3(4)') or a division by zero."""
+    """Exact Fraction value, parsed, never run, of an expression already checked to be at most MAX_EXPR ASCII
+    digits, + - * / ( ) and spaces (~100 nested parentheses: inside the parser's and this recursion's limits).
+    None on a syntax error ('3 4', '()', unbalanced), on x/0 or on another node ('-3', '**', '//', '3(4)')."""
 
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
@@ -138,7 +136,7 @@ def calculator(expr):
     never executed). Bounded: at most 64 characters in, 12 digits per number, 40 characters out (so a
     result is at most ~60 digits before it is refused). Anything else is an error message, never raised."""
     expr = expr.strip()
-    if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or any(len(n) > 12 for n in re.findall("[0-9]+", expr)):
+    if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or re.search("[0-9]{13}", expr):
         return "error: write at most 64 characters of digits (12 per number), + - * / ( ) and spaces"
     value = _evaluate(expr)
     if value is None:
@@ -151,10 +149,10 @@ def countdown_problem(rng):
     random ops whose intermediate results stay positive integers; retried until in range."""
     while True:
         nums = rng.integers(1, 100, size=int(rng.integers(3, 5))).tolist()
-        order = rng.permutation(len(nums)).tolist()
-        value, expr = nums[order[0]], str(nums[order[0]])
-        for i in order[1:]:
-            x, op, flip = nums[i], "+-*/"[rng.integers(4)], bool(rng.integers(2))
+        value, *rest = rng.permutation(nums).tolist()          # folded in this order
+        expr = str(value)
+        for x in rest:
+            op, flip = "+-*/"[rng.integers(4)], bool(rng.integers(2))
             a, b = (x, value) if flip else (value, x)
             if (op == "-" and a <= b) or (op == "/" and a % b):
                 break                           # not a positive integer: draw a new problem
@@ -191,9 +189,8 @@ def maxdigit_reward(prompt, completion, answer):
 def overlong_penalty(n_tokens, max_new_tokens, cache):
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
     -1 at max_new_tokens. cache == 0 turns it off."""
-    if cache <= 0 or n_tokens <= max_new_tokens - cache:
-        return 0.0
-    return max(-1.0, (max_new_tokens - cache - n_tokens) / cache)
+    over = n_tokens - (max_new_tokens - cache)                  # tokens past the free length
+    return 0.0 if cache <= 0 or over <= 0 else max(-1.0, -over / cache)
 
 
 def held_out(text):
@@ -207,43 +204,39 @@ GSM8K_PROMPT = ("{question}\nSolve it step by step inside <think> </think>, then
 GSM8K_FIX = "each line needs \"question\" and \"answer\" (GSM8K format, answer ending in '#### <number>')"
 
 
-def _gsm8k_row(row, where):
-    """A hub row or a parsed JSONL line -> {"prompt", "answer"}; ValueError naming `where` and the fix."""
-    ok = (isinstance(row, dict) and isinstance(row.get("question"), str)
-          and isinstance(row.get("answer"), str) and "####" in row["answer"])
-    ref = row["answer"].split("####")[-1].strip() if ok else ""
-    if _last_number(ref) is None:
-        raise ValueError(f"{where}: {GSM8K_FIX}")
-    return {"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref}
-
-
 def load_gsm8k(path, split):
     """[{"prompt", "answer": "42"}]. path "" loads openai/gsm8k from the hub (split train or test);
     a local JSONL holds it out itself: a row is in "test" iff held_out(question), the rest is
-    "train". Blank lines are skipped; any other malformed line raises ValueError with its number."""
+    "train". Blank lines are skipped; any other malformed row raises ValueError with its number."""
     if split not in ("train", "test"):
         raise ValueError(f"GSM8K split {split!r}: use 'train' or 'test'")
     if not path:
         try:
             import datasets
-            rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
+            rows, where = datasets.load_dataset("openai/gsm8k", "main", split=split), "openai/gsm8k row"
         except Exception as e:
             raise ValueError(f"openai/gsm8k: the Hugging Face hub is unreachable or `datasets` is missing "
                              f"({type(e).__name__}): pass --data PATH.jsonl ({GSM8K_FIX})") from e
-        return [_gsm8k_row(r, f"openai/gsm8k row {i}") for i, r in enumerate(rows, 1)]
-    if not os.path.isfile(path):
+    elif not os.path.isfile(path):
         raise ValueError(f"--data {path}: no such file; pass a JSONL file ({GSM8K_FIX})")
+    else:
+        with open(path) as f:
+            rows, where = list(f), f"{path} line"
     out = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    row = None
-                problem = _gsm8k_row(row, f"{path} line {i}")
-                if held_out(row["question"]) == (split == "test"):
-                    out.append(problem)
+    for i, row in enumerate(rows, 1):
+        if path and not row.strip():
+            continue                            # a blank JSONL line
+        try:
+            row = json.loads(row) if path else row
+        except json.JSONDecodeError:
+            row = None
+        ok = (isinstance(row, dict) and isinstance(row.get("question"), str)
+              and isinstance(row.get("answer"), str) and "####" in row["answer"])
+        ref = row["answer"].split("####")[-1].strip() if ok else ""
+        if _last_number(ref) is None:
+            raise ValueError(f"{where} {i}: {GSM8K_FIX}")
+        if not path or held_out(row["question"]) == (split == "test"):
+            out.append({"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref})
     return out
 
 
@@ -258,7 +251,7 @@ class LLMTask:
     tasks define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
     rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
     is_llm, metric = True, "eval_acc"
-    rewards: list = []
+    rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     train_set = None                            # data-backed tasks: every training problem
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
@@ -272,7 +265,7 @@ class LLMTask:
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
         self.pass_k, self.max_tool_calls = pass_k, max_tool_calls
         self.tools = self if max_tool_calls else None       # what the sampler gets: stop and reply()
-        self.max_new_tokens = self.max_len = max_new_tokens  # max_len: Dr. GRPO's constant denominator
+        self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
         self.eval_set = self.eval_problems()
         if len(self.eval_set) < max(eval_episodes, 10):
             print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), "
@@ -332,7 +325,7 @@ class LLMTask:
 
     def score(self, problem, completion, n_tokens):
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
-        return r + overlong_penalty(n_tokens, self.max_new_tokens, self.overlong_cache)
+        return r + overlong_penalty(n_tokens, self.max_len, self.overlong_cache)
 
     def rollout(self, policy, prompts, group_size, greedy=False):
         ids = self.prompt_ids(policy.encode, prompts)

@@ -5,7 +5,6 @@ and every statistic that must match one process (whiten's mean and std) is summe
 """
 import csv
 import datetime
-import math
 import os
 import time
 
@@ -98,18 +97,16 @@ def device_for(is_llm, cuda_count, local_world):
     return "cuda" if is_llm and local_world <= cuda_count else "cpu"
 
 
-def local_device(is_llm):
-    """This process's device_for; its GPU is LOCAL_RANK's (0 without torchrun)."""
+def local_device(is_llm):                       # its GPU is LOCAL_RANK's (0 without torchrun)
     kind = device_for(is_llm, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return torch.device(kind, int(os.environ.get("LOCAL_RANK", 0)) if kind == "cuda" else None)
 
 
 def init_distributed(timeout=1800.0, backend="", llm=False):
-    """-> (rank, world_size); (0, 1) without torchrun's environment. One group, two backends: gloo for
-    CPU tensors (scalar statistics, objects), NCCL for CUDA ones (gradients, weights): an NCCL-only group
-    cannot reduce a CPU tensor, so every such collective failed at the first step on GPUs. timeout (s)
-    must outlast the longest wait of one rank on another (rank 0 waiting --batch-timeout for workers'
-    batches), or NCCL's watchdog (10 min by default) kills the waiting ranks. CUDA only if llm."""
+    """-> (rank, world_size); (0, 1) without torchrun. One group, two backends: gloo for CPU tensors (scalar
+    statistics, objects), NCCL for CUDA ones (gradients, weights; only if llm): an NCCL-only group cannot
+    reduce a CPU tensor, which failed the first step on GPUs. timeout (s) must outlast one rank's longest wait
+    on another (rank 0's --batch-timeout), or NCCL's watchdog (10 min by default) kills the waiting ranks."""
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1
     if not dist.is_initialized():
@@ -155,11 +152,9 @@ def broadcast_params(params):
             dist.broadcast(p.data, 0)
 
 
-# ---- logging: one readable line per step on stdout, one CSV row per step ----
+# ---- logging, rank 0 only: every metric in a CSV row per step, one readable line per step on stdout ----
 
 class Logger:
-    """Every metric in a CSV row per step; a short line per step on stdout (rank 0 only)."""
-
     def __init__(self, enabled=True):
         self.enabled, self.file, self.t0 = enabled, None, time.time()
 
@@ -188,9 +183,8 @@ class Logger:
             self.file.flush()
 
     def progress(self, row, keys, steps, sec_per_step):
-        """step i/N, the chosen metrics, seconds per step, elapsed time and the ETA (an upper bound
-        when the run may stop early, once solved)."""
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else str(v)
+        """step i/N, the metrics in keys, s/step, elapsed, ETA (an upper bound: runs may stop once solved)."""
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)      # nan, inf: as str() prints them
         hms = lambda s: time.strftime("%H:%M:%S" if s >= 3600 else "%M:%S", time.gmtime(s))
         metrics = "  ".join(f"{k} {fmt(row[k])}" for k in keys if row.get(k, "") != "")
         self.info(f"step {row['step']:>{len(str(steps))}}/{steps}  {metrics}  {row['step_s']:.2f} s/step  "

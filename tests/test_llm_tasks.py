@@ -222,9 +222,9 @@ def test_rollout_bookkeeping():
     assert b.states[2].tolist() == [ord(c) for c in "070=7777"]
     assert b.mask.tolist() == [[0] * 4 + [1] * C + [0] * (4 - C) for C in (2, 2, 4, 3)]
     assert torch.allclose(b.logp[3], torch.tensor([0, 0, 0, 0, -0.1, -0.2, -0.3, 0]))
-    assert b.row_rewards().tolist() == [1.0, 0.0, 0.0, 0.5]
+    assert b.rewards.sum(1).tolist() == [1.0, 0.0, 0.0, 0.5]
     last = (b.mask.cumsum(1) == b.mask.sum(1, keepdim=True)) & (b.mask == 1)       # last completion token
-    assert torch.equal(b.rewards != 0, last & (b.row_rewards() != 0)[:, None])
+    assert torch.equal(b.rewards != 0, last & (b.rewards.sum(1) != 0)[:, None])
 
 
 def test_evaluate_greedy_and_pass_at_k():
