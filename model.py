@@ -1,10 +1,9 @@
-"""Policies: MLPPolicy for control tasks, HFPolicy for LLMs (train + score + sample), the tiny test LM.
-
-Protocol: act(...) samples without grad and returns the sampler's log-probs; logprobs(batch, entropy,
-entropy_grad) -> ([N, T] log-probs under the current parameters, with grad; [N, T] entropy if asked, else
-None: with grad only if entropy_grad, i.e. when the bonus weighs it, else only logged); value(states)
--> [N, T] or None. param_groups() -> {"actor": [...], "critic": [...]}, clipped separately.
-"""
+"""Policies: MLPPolicy (control tasks), HFPolicy (an LLM: sample, score, train), VLLMGenerator (sample only),
+the tiny test LM. Protocol: act(...) samples without grad and returns the sampler's log-probs;
+logprobs(batch, entropy, entropy_grad) -> ([N, T] log-probs under the current parameters, with grad; [N, T]
+entropy if asked, else None: with grad only if entropy_grad, i.e. when the bonus weighs it, else only logged);
+ref_logprobs(batch) -> [N, T]; value(states) -> [N, T] or None; param_groups() -> {"actor": [...],
+"critic": [...]}, clipped separately."""
 import copy
 import functools
 import inspect
@@ -13,7 +12,6 @@ import shutil
 import tempfile
 import weakref
 
-import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
@@ -43,16 +41,15 @@ class MLPPolicy(nn.Module):
         a = logp.argmax(-1) if greedy else torch.multinomial(logp.exp(), 1)[:, 0]  # [N]
         return a.numpy(), logp.gather(1, a[:, None])[:, 0].numpy()
 
-    def logprobs(self, batch, entropy=False, entropy_grad=False):
-        """entropy_grad makes no difference here: an MLP's entropy is a few floats, with grad either way."""
-        logp_all = torch.log_softmax(self.actor(batch.states), -1)           # [N, T, A]
+    def logprobs(self, batch, entropy=False, entropy_grad=False, ref=False):
+        """ref: the frozen reference's. entropy_grad is moot: an MLP's entropy is a few floats, with grad."""
+        logp_all = torch.log_softmax((self.ref if ref else self.actor)(batch.states), -1)   # [N, T, A]
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None      # [N, T]
         return logp_all.gather(2, batch.actions[..., None])[..., 0], ent     # [N, T]
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
-        logp_all = torch.log_softmax(self.ref(batch.states), -1)             # [N, T, A]
-        return logp_all.gather(2, batch.actions[..., None])[..., 0]          # [N, T]
+        return self.logprobs(batch, ref=True)[0]
 
     def value(self, states):
         return None if self.critic is None else self.critic(states)[..., 0]  # [N, T]
@@ -70,6 +67,11 @@ class _Text:
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def reply_ids(self, tools, ids):
+        """tools.reply(the text of ids) as its own ids ([] for no reply)."""
+        reply = tools.reply(self.decode(ids))
+        return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
 
 
 class HFPolicy(_Text, nn.Module):
@@ -100,7 +102,15 @@ class HFPolicy(_Text, nn.Module):
             enable = (getattr(model, "activation_checkpointing_enable", None)
                       or model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
-            _keep_cache_when_checkpointing(model)
+            # checkpointed layers drop the KV cache unless told (a replay would store it twice; _prefix_cache
+            # never does, and without it completions lose their prompt); remote-code ones would do so silently
+            from transformers.modeling_layers import GradientCheckpointingLayer
+            layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+            if not layers:
+                raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
+                                 "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
+            for layer in layers:
+                layer._can_checkpoint_with_cache = True
         self.lora = lora_r > 0
         if self.lora:
             from peft import LoraConfig, get_peft_model
@@ -135,8 +145,8 @@ class HFPolicy(_Text, nn.Module):
         its own ids: re-encoding the decoded text can merge tokens across the seam, changing the log-probs."""
         uniq, inv = _distinct(rows, self.device)                                          # inv [B]
         ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
-        eos = torch.tensor(self.eos, device=self.device)
-        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
+        end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
         cache, steps = None, []                 # per step: (ids, sampler log-probs, fed a reply id), [B] each
         # per row: its completion's ids, where the text after its last call starts, reply ids still to feed
         completions, since, replies = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
@@ -152,39 +162,34 @@ class HFPolicy(_Text, nn.Module):
             replying = torch.tensor([bool(r) for r in replies], device=self.device)       # [B] fed a reply id
             if any(replies):
                 nxt[replying] = torch.tensor([r.pop(0) for r in replies if r], device=self.device)
-            steps.append((torch.where(done, self.pad, nxt),
-                          torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]), replying))
+            steps.append((nxt, torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]), replying))
+            # a row ends at its stop token (kept); cut inside a reply, at its call (the rest trains nothing)
+            end = torch.where(done | replying, end, len(steps))
             done = done | (torch.isin(nxt, eos) & ~replying)
             if tools:
                 _call_tools(tools, self, nxt.tolist(), done.tolist(), completions, since, replies)
             ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
-        hit = torch.isin(toks, eos.cpu()) & ~fed
-        stopped = hit.any(1)                                                              # [B]
-        # stop token kept; a row cut inside a reply ends at its call (the rest of the reply trains nothing)
-        length = torch.where(stopped, hit.int().argmax(1) + 1, toks.shape[1] - fed.flip(1).int().argmin(1))
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
-        bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < length[:, None])).any(0)   # [C]
+        bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < end.cpu()[:, None])).any(0)   # [C]
         if bad.any():
             raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
                              f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
                              f"or float32; if it persists, the weights hold NaN or inf")
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped[b].item())
-                for b, n in enumerate(length.tolist())]
-
-    def logprobs(self, batch, entropy=False, entropy_grad=False):
-        return self._logprobs(self.model, batch, entropy, entropy_grad)
+        return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped)
+                for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
         if self.lora:                           # the base model is the adapter switched off: no copy
             with self.model.disable_adapter():
                 return self.logprobs(batch)[0]
-        return self._logprobs(self.ref, batch)[0]
+        return self.logprobs(batch, ref=True)[0]
 
-    def _logprobs(self, model, batch, entropy=False, entropy_grad=False):
+    def logprobs(self, batch, entropy=False, entropy_grad=False, ref=False):
         """[mb, T] log p(id_t | id_<t) at the sampling temperature (0 where mask is 0), [mb, T] entropy if
-        asked. With grad it runs in training mode, where layers checkpoint (--grad-ckpt; dropout is 0)."""
+        asked; ref: --ref-copy's. With grad: training mode (where --grad-ckpt checkpoints; dropout is 0)."""
+        model = self.ref if ref else self.model
         ids, mask = batch.states.to(self.device), batch.mask.to(self.device)              # [mb, T]
         P = mask.argmax(1)                                                         # [mb] prompt lengths
         C = ids.shape[1] - mask.flip(1).argmax(1) - P                              # [mb] completion lengths
@@ -201,8 +206,8 @@ class HFPolicy(_Text, nn.Module):
             logp[i, p:p + c] = checkpoint(_row_logprobs, row, ids[i, p:p + c], self.temperature,
                                           use_reentrant=False)          # recomputed in backward
             if entropy:                 # no grad unless entropy_grad (the bonus): no graph to recompute
-                ent[i, p:p + c] = (checkpoint(_row_entropy, row, self.temperature, use_reentrant=False)
-                                   if entropy_grad else _row_entropy(row.detach(), self.temperature))
+                ent[i, p:p + c] = checkpoint(_row_entropy, row if entropy_grad else row.detach(),
+                                             self.temperature, use_reentrant=False)
         return logp * mask, (ent * mask if entropy else None)
 
     def value(self, states):
@@ -243,8 +248,7 @@ def _call_tools(tools, policy, nxt, done, completions, since, replies):
             continue
         completions[b].append(token)
         if tools.tool_stop in policy.decode(completions[b][since[b]:]):
-            reply = tools.reply(policy.decode(completions[b]))
-            replies[b] = policy.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+            replies[b] = policy.reply_ids(tools, completions[b])
             since[b] = len(completions[b]) + len(replies[b])
 
 
@@ -311,19 +315,6 @@ def _no_dropout(model):
             setattr(m, k, 0.0)
 
 
-def _keep_cache_when_checkpointing(model):
-    """Checkpointed layers drop the KV cache (a replay would write it twice) unless told otherwise;
-    _prefix_cache never stores twice, and without it the completions would lose their prompt. Layers that
-    are not transformers' (remote code) would drop it silently: refused."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
-        raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
-                         "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
-    for layer in layers:
-        layer._can_checkpoint_with_cache = True
-
-
 def _row_logprobs(logits, targets, temperature):
     lp = torch.log_softmax(logits.float() / temperature, -1)       # [K, V] logits (any dtype) -> fp32
     return lp.gather(1, targets[:, None])[:, 0]                                     # [K]
@@ -349,11 +340,10 @@ def stop_ids(tok, generation_eos):
 
 
 def vllm_samples(outputs, eos_ids, tool_stop=None):
-    """vLLM RequestOutputs (one per prompt, its n samples together) -> prompt-major lists [completion ids with
-    the stop token kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop token
-    in token_ids (only .text drops it) with its log-prob, so it is there exactly once, last. truncated is "no
-    stop token", as in HFPolicy: older vLLM checked the length limit before the stop tokens, so a stop token
-    drawn as the last allowed token said "length". called: it stopped on the tool's string (kept)."""
+    """vLLM RequestOutputs (a prompt's n samples each) -> prompt-major [completion ids with the stop token
+    kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop token in token_ids
+    (only .text drops it) with its log-prob: once, last. truncated is "no stop token", as in HFPolicy (older
+    vLLM said "length" for a stop token drawn as the last allowed one). called: it stopped on the tool's."""
     samples = []
     for request in outputs:
         for out in request.outputs:
@@ -445,40 +435,37 @@ class VLLMGenerator(_Text):
                 shutil.rmtree(folder)
 
     def act(self, prompt_ids, group_size, greedy=False, tools=None):
-        """HFPolicy.act's contract. vLLM refuses n > 1 when greedy (eval only, its log-probs unused): the
-        prompt is repeated instead. Seeds come from torch's RNG, which a worker seeds per lease (as for
-        HFPolicy): two workers draw different samples; vLLM seeds sample j of a request with seed + j, so
-        requests are n apart. Tools, token in, token out: a request stops after tools.tool_stop, and the
-        next goes on from its ids and the reply's, as HFPolicy feeds them."""
-        n, copies = (1, group_size) if greedy else (group_size, 1)
-        rows = [p for p in prompt_ids for _ in range(copies)]
-        samples = self._generate(rows, n, [self.max_new_tokens] * len(rows), greedy, tools)
-        prompts = [p for p in rows for _ in range(n)]                                   # each sample's
-        while calls := [s for s in samples if s[4]]:              # [ids, logp, sampled, truncated, called]
-            for s in calls:
-                reply = tools.reply(self.decode(s[0]))
-                reply = self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
-                s[4] = len(s[0]) + len(reply) < self.max_new_tokens               # else it ends at its call
-                if s[4]:
-                    s[:3] = s[0] + reply, s[1] + [0.0] * len(reply), s[2] + [False] * len(reply)
-            todo = [k for k, s in enumerate(samples) if s[4]]
-            more = self._generate([prompts[k] + samples[k][0] for k in todo], 1,
+        """HFPolicy.act's contract, one request per sample: vLLM splits an n-sample request into such ones
+        anyway, sample j seeded seed + j (and refuses n > 1 when greedy). Seeds come from torch's RNG, which a
+        worker seeds per lease (as HFPolicy's): workers draw apart. Tools, token in, token out: a request
+        stops after tools.tool_stop, the next one goes on from its ids and the reply's."""
+        prompts = [p for p in prompt_ids for _ in range(group_size)]
+        samples = [[[], [], [], True] for _ in prompts]         # ids, sampler logp, sampled, truncated
+        todo = range(len(prompts))
+        while todo:
+            more = self._generate([prompts[k] + samples[k][0] for k in todo],
                                   [self.max_new_tokens - len(samples[k][0]) for k in todo], greedy, tools)
+            calls = []
             for k, (ids, logp, sampled, truncated, called) in zip(todo, more):
-                old = samples[k]
-                samples[k] = [old[0] + ids, old[1] + logp, old[2] + sampled, truncated, called]
+                s = samples[k]
+                s[:] = s[0] + ids, s[1] + logp, s[2] + sampled, truncated
+                reply = self.reply_ids(tools, s[0]) if called else []
+                if called and len(s[0]) + len(reply) < self.max_new_tokens:     # else it ends at its call
+                    s[:3] = s[0] + reply, s[1] + [0.0] * len(reply), s[2] + [False] * len(reply)
+                    calls.append(k)
+            todo = calls
         return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
-                 torch.tensor(sampled), truncated) for ids, logp, sampled, truncated, _ in samples]
+                 torch.tensor(sampled), truncated) for ids, logp, sampled, truncated in samples]
 
-    def _generate(self, prompt_ids, n, max_tokens, greedy, tools):
-        """One vLLM call: n samples of prompt i (token ids) of at most max_tokens[i] tokens each."""
+    def _generate(self, prompt_ids, max_tokens, greedy, tools):
+        """One vLLM call: a sample of each prompt (token ids), of at most max_tokens[i] tokens."""
         from vllm import SamplingParams
         seed = None if greedy else int(torch.randint(2**30, ()))
-        params = [SamplingParams(n=n, temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
+        params = [SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
                                  max_tokens=m,                # the default is 16
                                  logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
                                  stop=[tools.tool_stop] if tools else None, include_stop_str_in_output=True,
-                                 seed=None if greedy else seed + i * n) for i, m in enumerate(max_tokens)]
+                                 seed=None if greedy else seed + i) for i, m in enumerate(max_tokens)]
         prompts = [{"prompt_token_ids": p} for p in prompt_ids]                          # TokensPrompts
         outputs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
         return vllm_samples(outputs, self.eos, tools and tools.tool_stop)
@@ -490,8 +477,7 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer silently drops spaces and newlines."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
-    specials = ["<|pad|>", "<|endoftext|>", "<|unk|>"]
-    vocab = {c: i for i, c in enumerate(specials + list(dict.fromkeys(chars)))}
+    vocab = {c: i for i, c in enumerate(["<|pad|>", "<|endoftext|>", "<|unk|>", *dict.fromkeys(chars)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character a token
     tok.decoder = decoders.Fuse()
