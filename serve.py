@@ -1,6 +1,5 @@
 """Async transport on stdlib sockets: the trainer publishes weights and queues batches; workers lease,
 renew, pull, submit. WireServer holds the bytes on the wire, BatchQueue the rules, TrainerServer answers.
-
 Invariant: a batch is queued only after every check passed (token, size, format, dtypes, shapes, finite
 values, this run's limits, run id, version, lease): bad input gets a 4xx and never touches the queue.
 The wire carries safetensors and JSON, never a pickle; one event loop serves every connection."""
@@ -28,9 +27,6 @@ import torch
 
 from core import Batch
 
-# Batch field -> (dtype, rank) on the wire; states [N, T] long or [N, T, O] float32, final_states [N, O]
-FIELDS = {"actions": (torch.long, 2), "logp": (torch.float32, 2), "rewards": (torch.float32, 2),
-          "mask": (torch.float32, 2), "truncated": (torch.bool, 1), "group_id": (torch.long, 1)}
 MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
 HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
 CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
@@ -51,8 +47,8 @@ class TrainerGone(ConnectionError):
 
 # ---- serialization: safetensors bytes, metadata in the header's string -> string map ----
 
-def tensors_to_bytes(tensors, metadata=None):
-    return safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+def tensors_to_bytes(tensors, metadata=None):  # safetensors copies GPU tensors itself
+    return safetensors.torch.save({k: v.contiguous() for k, v in tensors.items()}, metadata)
 
 
 def tensors_from_bytes(data):
@@ -75,23 +71,37 @@ def batch_to_bytes(batch, lease, run):
     return tensors_to_bytes(tensors, {"version": str(batch.version), "lease": lease, "run": run})
 
 
+def wire_spec(limits, T):
+    """{field: (dtype, shape)} of a batch of this run with T steps. Control rows ([N, T, O] states) end
+    somewhere: PPO's critic bootstraps a truncated row from final_states [N, O], and a batch without them
+    once killed a PPO trainer (TypeError); token rows ([N, T] ids) have none."""
+    N, O, llm = limits["group_size"] * limits["n_prompts"], limits["obs_dim"], limits["prompt_len"] > 0
+    return {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
+            "actions": (torch.long, (N, T)), "truncated": (torch.bool, (N,)), "group_id": (torch.long, (N,)),
+            **dict.fromkeys(("logp", "rewards", "mask"), (torch.float32, (N, T))),
+            **({} if llm else {"final_states": (torch.float32, (N, O))})}
+
+
+def max_batch_bytes(limits):
+    """The largest body a batch of this run can be, with a 16 KiB header."""
+    spec = wire_spec(limits, limits["prompt_len"] + limits["max_len"])
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values()) + (16 << 10)
+
+
 def batch_from_bytes(data, limits):
     """The one gate: bytes -> (a Batch this run could have produced, metadata), or a ValueError naming the
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
     assert). prompt_len 0: a control task; max_len: completion tokens (control: steps); obs_dim 0: tokens."""
     t, meta = tensors_from_bytes(data)
-    G, P, prompt, L, A, O, tools, (lo, hi) = (limits[k] for k in (
-        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "obs_dim", "tool_calls", "reward"))
-    llm, N, version = prompt > 0, G * P, meta.get("version", "")
-    if not (version.removeprefix("-").isdecimal() and meta.get("lease") and meta.get("run")):
-        raise ValueError(f"metadata needs an int version, a lease and a run (POST /lease): {str(meta)[:300]}")
+    G, P, prompt, L, A, tools, (lo, hi) = (limits[k] for k in (
+        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "tool_calls", "reward"))
+    llm, version = prompt > 0, meta.get("version", "")
+    if not (version.isdecimal() and meta.get("lease") and meta.get("run")):
+        raise ValueError(f"metadata needs a version number, a lease and a run (POST /lease): "
+                         f"{str(meta)[:300]}")
     s = t.get("states", torch.zeros(0))
     T = s.shape[1] if s.ndim > 1 else -1
-    # control rows ([N, T, O] states) end somewhere: PPO's critic bootstraps a truncated row from there, and
-    # a batch without final_states once killed a PPO trainer (TypeError); token rows have none
-    spec = {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
-            **{f: (dtype, (N, T)[:rank]) for f, (dtype, rank) in FIELDS.items()},
-            **({} if llm else {"final_states": (torch.float32, (N, O))})}
+    spec = wire_spec(limits, T)
     if set(t) != set(spec):
         raise ValueError(f"tensors {sorted(t)} are not this run's {sorted(spec)}: final_states [N, O] "
                          f"comes with [N, T, O] states (control), never with [N, T] token ids")
@@ -109,7 +119,7 @@ def batch_from_bytes(data, limits):
                          f"{P} prompts x {G} samples")
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
     m = t["mask"]
-    start, end = (m.cumsum(1) == 0).sum(1), T - (m.flip(1).cumsum(1) == 0).sum(1)  # [N]: [start, end) trained
+    start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
     # a completion: 1s, with a run of 0s for each tool reply inserted (--max-tool-calls), and nothing else
     if not (((m == 0) | (m == 1)).all() and m.sum(1).min() >= 1 and batch.tool_replies().max() <= tools
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
@@ -128,17 +138,9 @@ def batch_from_bytes(data, limits):
     return batch, meta
 
 
-def max_batch_bytes(limits):
-    """The largest body a batch of this run can be: [N, T] and [N] fields at wire dtypes, a 16 KiB header."""
-    N, O = limits["group_size"] * limits["n_prompts"], limits["obs_dim"]
-    T = limits["prompt_len"] + limits["max_len"]
-    return N * T * ((4 * O if O else 8) + 8 + 4 + 4 + 4) + N * (1 + 8 + 4 * O) + (16 << 10)
-
-
-# ---- the PEFT adapter travels as safetensors too: one uint8 tensor per file ----
-
-# what vLLM loads, and nothing else: workers write them into the folder it loads, where an adapter_model.bin
-# (a pickle) would be unpickled; any other name could also be a path ('../x', '/etc/x')
+# ---- the PEFT adapter travels as safetensors too, one uint8 tensor per file: only what vLLM loads, as a
+# worker writes them into its folder, where an adapter_model.bin (a pickle) would be unpickled; any other
+# name could also be a path ('../x', '/etc/x') ----
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -183,21 +185,19 @@ class Snapshots(dict):
 
 
 class WireServer:
-    """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns bytes, or
-    else what is sent as JSON, or a coroutine of either, and raises Rejected, or ValueError for a 400.
-
-    One asyncio loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S
-    s and the whole request within `timeout` s (else 408), checked on the headers before a byte of the body
-    is read, at most max_body. Authentication first: at most MAX_CONNS connections yet to show the token
-    (the oldest closed); one that showed it is never closed for one that has not. An answer is cut only when
-    the client took no byte of it for `timeout` s. Once `gone` says why, every request with the token gets
-    a 410 saying it."""
+    """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns bytes,
+    or else JSON, or a coroutine of either, and raises Rejected, or ValueError for a 400; query reads '' for
+    a name not sent. One asyncio loop (a thread) serves every connection, so no client holds a thread:
+    headers within HEAD_S s, the whole request within `timeout` s (else 408); token and size (max_body) are
+    checked on the headers, before a byte of the body is read. At most MAX_CONNS connections yet to show
+    the token (the oldest closed); one that showed it is never closed for one that has not. An answer is cut
+    only once the client took no byte of it for `timeout` s. Once `gone` says why, every request with the
+    token gets a 410 saying it."""
 
     def __init__(self, token, routes, max_body, host, port, timeout):
         if not token:
             raise ValueError("the trainer server needs a shared token: set NANORL_TOKEN to the same random "
-                             "string (python -c 'import secrets; print(secrets.token_hex(16))') on every "
-                             "machine")
+                             "string (python -c 'import secrets; print(secrets.token_hex(16))') everywhere")
         self.token, self.routes, self.max_body, self.timeout = token.encode(), routes, max_body, timeout
         self.host, self.port, self.gone, self._thread = host, port, "", None
         self._unknown = {}                          # the loop's, writer -> handler task: no token yet
@@ -208,8 +208,7 @@ class WireServer:
         listen = asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128)
         self._server = self._loop.run_until_complete(listen)      # here, so that an error raises here
         self.port = self._server.sockets[0].getsockname()[1]
-        # joined by stop(): a thread still parsing a batch into torch tensors when the interpreter exits
-        # aborted the trainer (SIGABRT, "terminate called", seen under torchrun)
+        # joined by stop(): one still parsing a batch at exit aborted the trainer (SIGABRT, under torchrun)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trainer-server")
         self._thread.start()
         return self
@@ -219,9 +218,8 @@ class WireServer:
         if self._thread:
             async def close():
                 self._server.close()
-                # every task, again until none is left: a connection accepted just before starts its
-                # handler a few turns later, and Python 3.10/3.11's wait_for can swallow a cancel that
-                # lands as its read completes (seen on a loop starved of the GIL)
+                # again until none is left: a connection accepted just before starts its handler a few
+                # turns later; 3.10/3.11's wait_for can swallow a cancel landing as its read completes
                 while tasks := asyncio.all_tasks() - {asyncio.current_task()}:
                     for task in tasks:
                         task.cancel()
@@ -233,8 +231,8 @@ class WireServer:
             self._thread = None
 
     def _accept(self, reader, writer):
-        # one request, one answer, closed however the task ends, even cancelled before it began (stop(), or a
-        # newer one: an honest client shows the token in ms, so a flood never cuts a long-poll or a download)
+        # one request, one answer, closed however the task ends, even cancelled before it began (stop(); a
+        # newer one: an honest client shows the token in ms, so a flood cuts no long-poll or download)
         def close(_):
             self._unknown.pop(writer, None)
             writer.transport.abort()
@@ -248,24 +246,20 @@ class WireServer:
             status, out = 200, await asyncio.wait_for(self._request(reader, writer), self.timeout)
         except Rejected as e:
             status, out = e.status, e.body
-        except ValueError as e:                     # malformed input found below the endpoint
+        except (ValueError, asyncio.IncompleteReadError) as e:  # bad input below the endpoint; a request cut
             status, out = 400, {"error": str(e)}
         except asyncio.TimeoutError:                # a trickler (asyncio.timeout() would save a task: 3.11+)
             status, out = 408, {"error": f"request not received in time: headers {HEAD_S:g} s, all of it "
                                          f"{self.timeout:g} s"}
         except asyncio.LimitOverrunError:
             status, out = 431, {"error": f"request line + headers over {MAX_HEAD} bytes"}
-        except asyncio.IncompleteReadError as e:
-            status, out = 400, {"error": f"request cut after {len(e.partial)} bytes (Content-Length, if any, "
-                                         f"says more)"}
         except OSError:                             # reset by the peer
             return
         except Exception as e:                      # a bug of ours: an answer still, never a dropped socket
             status, out = 500, {"error": f"internal error: {e!r}"}
-        blob = isinstance(out, bytes)
-        body = out if blob else json.dumps(out).encode()
-        kind = "application/octet-stream" if blob else "application/json"
-        try:
+        kind, body = (("application/octet-stream", out) if isinstance(out, bytes) else
+                      ("application/json", json.dumps(out).encode()))
+        with contextlib.suppress(OSError, asyncio.TimeoutError):      # a client gone, or stalled
             writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {kind}\r\n"
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
             await self._send(writer, body)          # not concatenated: weights can be GBs
@@ -275,8 +269,6 @@ class WireServer:
             until = time.monotonic() + LINGER_S
             while await asyncio.wait_for(reader.read(1 << 16), until - time.monotonic()):
                 pass
-        except (OSError, asyncio.TimeoutError):
-            pass
 
     async def _send(self, writer, data):
         """In CHUNKs (the transport copied a whole blob it could not send at once); cut only once stalled."""
@@ -319,28 +311,26 @@ class WireServer:
             raise Rejected(411 if n is None else 413 if n.isdecimal() else 400, f"POST needs a Content-Length"
                            f" of at most {self.max_body} bytes (this run's largest batch), got {n!r}")
         body = await reader.readexactly(int(n))
-        out = endpoint(dict(parse_qsl(query)), body)
+        out = endpoint(collections.defaultdict(str, parse_qsl(query)), body)
         return await out if asyncio.iscoroutine(out) else out
 
 
 class BatchQueue:
     """The rules for batches in, with no HTTP: leases, admission, the staleness queue and its counters;
-    k = max_staleness, bps = batches_per_step. The trainer's thread takes batches while the server's loop
-    grants leases and queues batches: every method holds the lock.
-
-    Admission control: a worker leases a slot before generating. The trainer takes bps batches per version,
-    so a batch started now, behind every outstanding lease and queued batch, is used within k versions iff
-    leases + queued < k * bps + (bps - batches already taken at this version); with none taken that is the
-    queue capacity (k + 1) * bps. Leases prove life: a lease not renewed for lease_timeout s, older than
-    lease_life s, or whose batch could only arrive stale is gone, and no step waits for it."""
+    k = max_staleness, bps = batches_per_step; every method holds the lock (the trainer's thread takes, the
+    server's loop leases and queues). Admission: a worker leases a slot before generating. The trainer
+    takes bps batches per version, so a batch started now, behind every lease and queued batch, is used
+    within k versions iff leases + queued < k * bps + (bps - taken at this version): with none taken, the
+    capacity (k + 1) * bps. Leases prove life: one not renewed for lease_timeout s, older than lease_life
+    s, or whose batch could only arrive stale is gone, and no step waits for it."""
 
     def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
         self.lease_timeout, self.lease_life, self.version = lease_timeout, lease_life, 0
-        self._step_s, self._published = 1.0, 0.0    # seconds per version: the 429's retry_after hint
-        self._gen_s = None                          # seconds from lease to batch, averaged: how far ahead
-        self._post_s, self._asked = 0.0, 0          # seconds the trainer works after a publish (evaluating)
+        self._step_s, self._published = 1.0, 0.0    # s per version (lead time; the 429's hint); last publish
+        self._gen_s = None                          # s from lease to batch, averaged: how far ahead to lease
+        self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish (evaluating)
         self._queue, self._taken = [], 0            # batches, lowest version first; taken at this version
         self._leases = {}                           # lease id -> [version, worker, alive until, granted at]
         self.counters = collections.Counter()       # name -> count: train.py logs them (QUEUE_COLUMNS)
@@ -355,7 +345,7 @@ class BatchQueue:
             now = time.monotonic()
             self._step_s, self._published = now - self._published if self.version else 1.0, now
             self.version, self._taken = version, 0
-            self._expire()                          # leases whose batch can only arrive stale now
+            self._live()                            # drops the leases whose batch can only arrive stale now
 
     def put(self, batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
@@ -380,7 +370,7 @@ class BatchQueue:
             while len(out) < n:
                 while not self._ready(current_version):
                     if time.monotonic() >= deadline:
-                        self._queue = sorted([*out, *self._queue], key=lambda b: b.version)
+                        self._queue = sorted(out + self._queue, key=lambda b: b.version)
                         self._taken -= len(out)
                         raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers "
                                            f"running?")
@@ -397,25 +387,24 @@ class BatchQueue:
     def _ready(self, current_version):
         """A batch can be taken now, unless a live lease granted k versions ago is out: its batch is usable
         at this step or never, so wait for it (or for it to stop proving life: a dead worker)."""
-        self._expire()
-        due = [v for v, *_ in self._leases.values() if current_version - v >= self.k]
+        due = [v for v, *_ in self._live().values() if current_version - v >= self.k]
         return bool(self._queue) and not (due and self._queue[0].version > min(due))
 
-    def _expire(self):
+    def _live(self):  # -> the leases, each silent, too old or useless one dropped and counted
         now = time.monotonic()
-        for lid, (v, _, alive, granted) in list(self._leases.items()):  # gone if silent, too old, or useless
+        for lid, (v, _, alive, granted) in list(self._leases.items()):
             if alive < now or now - granted > self.lease_life or self.version - v > self.k:
                 del self._leases[lid]
                 self.count("leases_expired")
+        return self._leases
 
-    def grant(self, worker):     # (lease id, version), or why there is none
+    def grant(self, worker):     # {lease: id, version}, or why there is none
         with self._cv:
             now = time.monotonic()
-            self._expire()
-            held = sum(w == worker for _, w, *_ in self._leases.values())
-            # lease only as far ahead as a batch takes to make, beyond what the trainer's work after a publish
-            # (evaluating) hides, in versions, k at most: a full queue made every batch k versions stale, and
-            # async CartPole collapsed 1 run in 2
+            held = sum(w == worker for _, w, *_ in self._live().values())
+            # lease only as far ahead (in versions, k at most) as a batch takes to make, beyond what the
+            # trainer's work after a publish hides: a full queue made every batch k versions stale, and async
+            # CartPole collapsed 1 run in 2
             lead = max((self._gen_s or 0.0) - self._post_s, 0.0)
             ahead = self.k if self._gen_s is None else min(self.k, math.ceil(lead / max(self._step_s, 1e-3)))
             if held >= PER_WORKER:
@@ -426,11 +415,10 @@ class BatchQueue:
                 return "no room: a batch started now would wait, or be too stale"
             lid = secrets.token_hex(16)
             self._leases[lid] = [self.version, worker, now + self.lease_timeout, now]
-            return lid, self.version
+            return {"lease": lid, "version": self.version}
 
     def _held(self, lid):  # -> its lease, or a 409
-        self._expire()
-        if lid not in self._leases:
+        if lid not in self._live():
             raise Rejected(409, "lease unknown, expired or used: its batch would be refused; lease again")
         return self._leases[lid]
 
@@ -453,15 +441,15 @@ class BatchQueue:
 
 class TrainerServer(WireServer, BatchQueue):
     """Weights out, batches in, on the trainer (rank 0): the endpoints, on WireServer's bytes and BatchQueue's
-    rules. Run identity: a random id per start, in /info, leases and weights; a batch must bring it back: a
-    --resume republishes version numbers with other weights, so another run's batch gets 409 (wrong_run)."""
+    rules. A random run id per start, in /info, leases and weights, which a batch must bring back: a --resume
+    republishes version numbers with other weights, so another run's batch gets 409 (wrong_run)."""
 
     def __init__(self, token, fingerprint, max_staleness, batches_per_step=1, host="0.0.0.0", port=0, *,
                  limits, lease_timeout=5.0, lease_life=600.0, timeout=30.0):
         WireServer.__init__(self, token, {
             "/info": ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
                                            "fingerprint": fingerprint, "names": self.names}),
-            "/lease": ("POST", self._lease), "/renew": ("POST", lambda q, b: self.renew(q.get("lease", ""))),
+            "/lease": ("POST", self._lease), "/renew": ("POST", lambda q, b: self.renew(q["lease"])),
             "/weights": ("GET", lambda q, b: self._blob(q, "weights")), "/batch": ("POST", self._submit),
             "/adapter": ("GET", lambda q, b: self._blob(q, "adapter")),
         }, max_batch_bytes(limits), host, port, timeout)
@@ -470,15 +458,13 @@ class TrainerServer(WireServer, BatchQueue):
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
 
     def finish(self, grace):
-        """The run is over: every request with the token from now on, and every lease waiting, gets a 410,
-        so workers exit instead of retrying a trainer that is gone. Returns after `grace` s, time for the
-        workers' lease renewals (every lease_timeout / 5 s) to hear it; then stop()."""
+        """The run is over: every request with the token from now on, and every waiting lease, gets a 410 and
+        the worker exits. Returns after `grace` s, for renewals (every lease_timeout / 5 s) to hear it."""
         self.gone = f"run {self.run} finished: no more batches are needed, the worker can exit"
         time.sleep(grace)
 
     def publish(self, version, tensors, adapter_files=None):
-        """Make `version` current: serialize the trainable tensors once (a copy: the bytes never alias
-        the live parameters), for every worker that asks."""
+        """Make `version` current: the trainable tensors serialized once (a copy), for every worker."""
         if version <= self.version:             # only this thread changes it
             raise ValueError(f"publish {version!r} after {self.version}: versions start at 1, only increase")
         blobs = {"weights": tensors_to_bytes(tensors)}
@@ -488,28 +474,23 @@ class TrainerServer(WireServer, BatchQueue):
             self.names, self._blobs = describe(tensors), blobs
             self.new_version(version)
 
-    # ---- endpoints: (query, body) -> dict (JSON) or bytes; Rejected or ValueError for a 4xx ----
-
     def _blob(self, query, name):  # of this run's current version: none needs another
         with self._cv:
-            version, run = query.get("version", ""), query.get("run", "")
+            version, run = query["version"], query["run"]
             if run != self.run:
-                raise Rejected(409, f"run {run[:40]!r} is over: this trainer is run {self.run} (restarted?): "
+                raise Rejected(409, f"run {run[:40]!r} is over, this is run {self.run} (restarted): "
                                     f"lease again")
             if version != str(self.version) or name not in self._blobs:
-                raise Rejected(404, f"no {name} at version {version[:20]!r} (current {self.version}): ask "
-                                    f"/info again")
+                raise Rejected(404, f"no {name} at version {version[:20]!r} (now {self.version}): ask /info")
             return self._blobs[name]
 
     async def _lease(self, query, body):
-        """?wait=S: without room, wait up to S s (timeout / 2 at most) for a slot, instead of a 429 that the
-        worker slept a step on: the queue then ran dry every 4th step (5.5 steps/s; 7.2 polling every 10
-        ms). Room opens on the trainer's thread (a publish, a batch taken, an expiry): a waiting lease looks
-        again every POLL_S s, and hears a finish() there too."""
-        worker, wait = query.get("worker", ""), query.get("wait", "")
+        """?wait=S: without room, wait up to S s (timeout / 2 at most), not a 429 that the worker slept a step
+        on: the queue then ran dry every 4th step (5.5 steps/s; 7.2 polling every 10 ms). Room opens on the
+        trainer's thread: a waiting lease looks again every POLL_S s, and hears a finish() there too."""
+        worker, wait = query["worker"], query["wait"]
         if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
-            raise Rejected(400, f"POST /lease?worker=ID needs an ID of 1-64 letters and digits, got "
-                                f"{worker[:80]!r}")
+            raise Rejected(400, f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")
         wait_s = min(int(wait), self.timeout / 2) if wait.isdecimal() else 0
         until = time.monotonic() + wait_s
         while isinstance(lease := self.grant(worker), str):
@@ -521,7 +502,7 @@ class TrainerServer(WireServer, BatchQueue):
             await asyncio.sleep(POLL_S)
             if self.gone:
                 raise Rejected(410, self.gone)
-        return {"run": self.run, "version": lease[1], "lease": lease[0], "renew_s": self.lease_timeout / 5}
+        return {**lease, "run": self.run, "renew_s": self.lease_timeout / 5}
 
     def _submit(self, query, body):
         """400 (counted: refused) for a batch this run cannot use; 409: another run's, or a lease not held."""
@@ -547,8 +528,7 @@ class TrainerClient:
         self.auth, self.retry_after, self.renew_s = {"Authorization": f"Bearer {token}"}, 0.0, 1.0
         self.finished = ""                          # the trainer's 410, heard by the heartbeat: run over
         self.worker = secrets.token_hex(8)          # this process, for the trainer's cap on leases per worker
-        # no http_proxy sees the token
-        self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open
+        self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no proxy sees token
 
     def _call(self, method, path, body=None, patience=None):
         """-> the answer's bytes, or its JSON."""
@@ -593,8 +573,7 @@ class TrainerClient:
         return unpack_adapter(self._call("GET", f"/adapter?version={version}&run={run}"), dest_dir)
 
     def lease(self, wait=0):
-        """(run, version, lease id), as soon as the trainer has room within `wait` s; else None: wait
-        self.retry_after s and ask again."""
+        """(run, version, lease id) once there is room, within `wait` s; else None: retry in retry_after s."""
         try:
             out = self._call("POST", f"/lease?worker={self.worker}&wait={wait}", b"")
         except Rejected as e:
@@ -607,8 +586,8 @@ class TrainerClient:
 
     @contextlib.contextmanager
     def keep_alive(self, lease_id):
-        """Renew the lease every renew_s s from a thread while the body runs (pull weights, generate, submit):
-        a worker that dies or is killed stops renewing, and the trainer frees its slot within seconds."""
+        """Renew the lease every renew_s s from a thread while the body runs: a worker that dies stops
+        renewing, and the trainer frees its slot within seconds."""
         done = threading.Event()
 
         def beat():

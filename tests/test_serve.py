@@ -513,8 +513,12 @@ def test_a_batch_this_run_cannot_produce_gets_400_with_the_reason(serve, llm):
     assert server.counters["refused"] == len(cases) and server.counters["received"] == 1
     client.submit(make_batch(llm=llm, seed=6), lease, run)                            # the lease still holds
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
-    # a body is at most what this run's largest batch can be: refused on its Content-Length, unread
-    assert server.max_body == max_batch_bytes(LLM_LIMITS if llm else LIMITS) < 20_000
+    # a body is at most what this run's largest batch can be: refused on its Content-Length, unread. Both runs:
+    # N = 4 rows; control T = 5, O = 4: states 4*5*4*4 = 320, actions 4*5*8 = 160, logp/rewards/mask 3*4*5*4 = 240,
+    # truncated 4, group_id 32, final_states 4*4*4 = 64; LLM T = 3 + 4 = 7: states and actions 2*4*7*8 = 448,
+    # logp/rewards/mask 3*4*7*4 = 336, truncated 4, group_id 32. 820 bytes either way, + a 16 KiB header
+    assert server.max_body == max_batch_bytes(LLM_LIMITS if llm else LIMITS) == 820 + (16 << 10)
+    assert len(batch_to_bytes(make_batch(llm=llm, T=7 if llm else 5), "L" * 32, "R" * 16)) <= server.max_body
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert status_raw(server.port, {**auth, "Content-Length": str(server.max_body + 1)}) == 413
 
