@@ -1,14 +1,12 @@
-"""Async transport on stdlib sockets: the trainer publishes weights and queues batches; workers lease,
-renew, pull, submit. WireServer holds the bytes on the wire, BatchQueue the rules, TrainerServer answers.
-Invariant: a batch is queued only after every check passed (token, size, format, dtypes, shapes, finite
-values, this run's limits, run id, version, lease): bad input gets a 4xx and never touches the queue.
-The wire carries safetensors and JSON, never a pickle; one event loop serves every connection."""
+"""Async transport on stdlib sockets: the trainer publishes weights and queues batches; workers lease, renew,
+pull, submit. WireServer holds the bytes on the wire (safetensors and JSON, never a pickle), BatchQueue the
+rules, TrainerServer answers. Invariant: a batch is queued only once every check passed (token, size, format,
+dtypes, shapes, finite values, this run's limits, run id, version, lease); bad input just gets a 4xx."""
 import asyncio
 import bisect
 import collections
 import contextlib
 import hmac
-import itertools
 import json
 import math
 import os
@@ -36,9 +34,9 @@ POLL_S = 0.02                                       # s between a waiting lease'
 class Rejected(Exception):
     """An HTTP error answer: raised by the endpoints, and by the client when the trainer sends one."""
 
-    def __init__(self, status, reason, **extra):
-        super().__init__(f"{status}: {reason}")
-        self.status, self.body = status, {"error": reason, **extra}
+    def __init__(self, status, error, **extra):
+        super().__init__(f"{status}: {error}")
+        self.status, self.body = status, {"error": error, **extra}
 
 
 class TrainerGone(ConnectionError):
@@ -82,12 +80,6 @@ def wire_spec(limits, T):
             **({} if llm else {"final_states": (torch.float32, (N, O))})}
 
 
-def max_batch_bytes(limits):
-    """The largest body a batch of this run can be, with a 16 KiB header."""
-    spec = wire_spec(limits, limits["prompt_len"] + limits["max_len"])
-    return sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values()) + (16 << 10)
-
-
 def batch_from_bytes(data, limits):
     """The one gate: bytes -> (a Batch this run could have produced, metadata), or a ValueError naming the
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
@@ -97,8 +89,7 @@ def batch_from_bytes(data, limits):
         "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "tool_calls", "reward"))
     llm, version = prompt > 0, meta.get("version", "")
     if not (version.isdecimal() and meta.get("lease") and meta.get("run")):
-        raise ValueError(f"metadata needs a version number, a lease and a run (POST /lease): "
-                         f"{str(meta)[:300]}")
+        raise ValueError(f"metadata needs a version, a lease and a run (POST /lease): {str(meta)[:300]}")
     s = t.get("states", torch.zeros(0))
     T = s.shape[1] if s.ndim > 1 else -1
     spec = wire_spec(limits, T)
@@ -132,9 +123,9 @@ def batch_from_bytes(data, limits):
                          f"action ids must be in [0, {A})")
     R = t["rewards"].sum(1)                                             # [N]
     where = torch.arange(T) == (end - 1)[:, None] if llm else m.bool()    # [N, T] where rewards may sit
-    if (t["rewards"][~where] != 0).any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
-        raise ValueError("rewards must sit on the " + ("last completion token" if llm else "masked steps")
-                         + f" and total within this task's [{lo:g}, {hi:g}] per row")
+    if t["rewards"][~where].any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
+        raise ValueError(f"rewards must sit on the {'last completion token' if llm else 'masked steps'} and "
+                         f"total within this task's [{lo:g}, {hi:g}] per row")
     return batch, meta
 
 
@@ -156,9 +147,9 @@ def pack_adapter(files):
 def unpack_adapter(data, dest_dir):
     """Write the two ADAPTER_FILES into dest_dir; anything else, and nothing is written."""
     files = tensors_from_bytes(data)[0]
-    if set(files) != set(ADAPTER_FILES) or any(t.dtype != torch.uint8 or t.ndim != 1 for t in files.values()):
+    if set(files) != set(ADAPTER_FILES) or any(t.dtype != torch.uint8 for t in files.values()):
         raise ValueError(f"refusing adapter files {str(sorted(files))[:200]}: only {list(ADAPTER_FILES)}, "
-                         f"both, as 1-d uint8 (is the trainer running this NanoRL version?)")
+                         f"both, as uint8 (is the trainer running this NanoRL version?)")
     os.makedirs(dest_dir, exist_ok=True)
     for n, t in files.items():
         t.numpy().tofile(os.path.join(dest_dir, n))
@@ -172,7 +163,6 @@ class Snapshots(dict):
     batch sampled at s - k .. s, whose old log-probs need its exact weights; s + 1 is added after step s."""
 
     def __init__(self, max_staleness):
-        super().__init__()
         self.keep = max_staleness + 1
 
     def add(self, version, tensors):
@@ -185,14 +175,13 @@ class Snapshots(dict):
 
 
 class WireServer:
-    """The bytes on the wire, for routes {path: (method, endpoint)}: endpoint(query, body) returns bytes,
-    or else JSON, or a coroutine of either, and raises Rejected, or ValueError for a 400; query reads '' for
-    a name not sent. One asyncio loop (a thread) serves every connection, so no client holds a thread:
-    headers within HEAD_S s, the whole request within `timeout` s (else 408); token and size (max_body) are
-    checked on the headers, before a byte of the body is read. At most MAX_CONNS connections yet to show
-    the token (the oldest closed); one that showed it is never closed for one that has not. An answer is cut
-    only once the client took no byte of it for `timeout` s. Once `gone` says why, every request with the
-    token gets a 410 saying it."""
+    """The bytes on the wire, for routes {"METHOD /path": endpoint(query, body)} -> bytes, JSON, or a
+    coroutine of either; raises Rejected, or ValueError for a 400; query[name] is '' if not sent. One asyncio
+    loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S s, all of it
+    within `timeout` s (else 408); token and size (max_body) checked on the headers, before a byte of the body
+    is read. At most MAX_CONNS connections yet to show the token (the oldest closed), never one that did. An
+    answer is cut only once the client took no byte of it for `timeout` s. Once `gone` says why, each request
+    with the token gets a 410 saying it."""
 
     def __init__(self, token, routes, max_body, host, port, timeout):
         if not token:
@@ -224,8 +213,8 @@ class WireServer:
                     for task in tasks:
                         task.cancel()
                     await asyncio.wait(tasks, timeout=0.1)
-            asyncio.run_coroutine_threadsafe(close(), self._loop).result()
-            self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop.stop()
+            asyncio.run_coroutine_threadsafe(close(), self._loop)
             self._thread.join()
             self._loop.close()
             self._thread = None
@@ -301,35 +290,32 @@ class WireServer:
         if self.gone:
             raise Rejected(410, self.gone)
         path, _, query = target.partition("?")
-        if path not in self.routes:
-            raise Rejected(404, f"no endpoint {path[:100]}: use one of {sorted(self.routes)}")
-        want, endpoint = self.routes[path]
-        if method != want:
-            raise Rejected(405, f"{path} takes {want}, not {method[:20]}")
-        n = headers.get("content-length") if want == "POST" else "0"
-        if n is None or not n.isdecimal() or int(n) > self.max_body:
-            raise Rejected(411 if n is None else 413 if n.isdecimal() else 400, f"POST needs a Content-Length"
-                           f" of at most {self.max_body} bytes (this run's largest batch), got {n!r}")
+        endpoint = self.routes.get(f"{method} {path}")
+        if not endpoint:
+            raise Rejected(404, f"no endpoint {method[:20]} {path[:100]}: use one of {sorted(self.routes)}")
+        n = headers.get("content-length", "") if method == "POST" else "0"
+        if not n.isdecimal() or int(n) > self.max_body:
+            raise Rejected(413 if n.isdecimal() else 400 if n else 411, f"POST needs a Content-Length of at "
+                           f"most {self.max_body} bytes (this run's largest batch), got {n!r}")
         body = await reader.readexactly(int(n))
         out = endpoint(collections.defaultdict(str, parse_qsl(query)), body)
         return await out if asyncio.iscoroutine(out) else out
 
 
 class BatchQueue:
-    """The rules for batches in, with no HTTP: leases, admission, the staleness queue and its counters;
-    k = max_staleness, bps = batches_per_step; every method holds the lock (the trainer's thread takes, the
-    server's loop leases and queues). Admission: a worker leases a slot before generating. The trainer
-    takes bps batches per version, so a batch started now, behind every lease and queued batch, is used
-    within k versions iff leases + queued < k * bps + (bps - taken at this version): with none taken, the
-    capacity (k + 1) * bps. Leases prove life: one not renewed for lease_timeout s, older than lease_life
-    s, or whose batch could only arrive stale is gone, and no step waits for it."""
+    """The rules for batches in, no HTTP: leases, admission, the staleness queue, its counters (k =
+    max_staleness, bps = batches_per_step; under the lock: the trainer's thread takes, the server's loop
+    leases and queues). A worker leases before generating; the trainer takes bps batches per version, so a
+    batch started now, behind every lease and queued batch, is used within k versions iff leases + queued
+    < k * bps + (bps - taken at this version) <= the capacity (k + 1) * bps. Leases prove life: one silent
+    for lease_timeout s, older than lease_life s, or whose batch can only arrive stale is gone."""
 
     def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
         self.lease_timeout, self.lease_life, self.version = lease_timeout, lease_life, 0
         self._step_s, self._published = 1.0, 0.0    # s per version (lead time; the 429's hint); last publish
-        self._gen_s = None                          # s from lease to batch, averaged: how far ahead to lease
+        self._gen_s = math.inf                      # s from lease to batch, averaged: how far ahead to lease
         self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish (evaluating)
         self._queue, self._taken = [], 0            # batches, lowest version first; taken at this version
         self._leases = {}                           # lease id -> [version, worker, alive until, granted at]
@@ -345,7 +331,6 @@ class BatchQueue:
             now = time.monotonic()
             self._step_s, self._published = now - self._published if self.version else 1.0, now
             self.version, self._taken = version, 0
-            self._live()                            # drops the leases whose batch can only arrive stale now
 
     def put(self, batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
@@ -372,8 +357,7 @@ class BatchQueue:
                     if time.monotonic() >= deadline:
                         self._queue = sorted(out + self._queue, key=lambda b: b.version)
                         self._taken -= len(out)
-                        raise TimeoutError(f"{len(out)} of {n} usable batches after {timeout} s: are workers "
-                                           f"running?")
+                        raise TimeoutError(f"{len(out)}/{n} batches in {timeout} s: are workers running?")
                     self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire
                 b = self._queue.pop(0)
                 if current_version - b.version > self.k:       # sampled more than k versions ago
@@ -390,7 +374,7 @@ class BatchQueue:
         due = [v for v, *_ in self._live().values() if current_version - v >= self.k]
         return bool(self._queue) and not (due and self._queue[0].version > min(due))
 
-    def _live(self):  # -> the leases, each silent, too old or useless one dropped and counted
+    def _live(self):  # -> the leases, less (counted) each silent, too old or useless one: read them only so
         now = time.monotonic()
         for lid, (v, _, alive, granted) in list(self._leases.items()):
             if alive < now or now - granted > self.lease_life or self.version - v > self.k:
@@ -402,11 +386,10 @@ class BatchQueue:
         with self._cv:
             now = time.monotonic()
             held = sum(w == worker for _, w, *_ in self._live().values())
-            # lease only as far ahead (in versions, k at most) as a batch takes to make, beyond what the
-            # trainer's work after a publish hides: a full queue made every batch k versions stale, and async
-            # CartPole collapsed 1 run in 2
-            lead = max((self._gen_s or 0.0) - self._post_s, 0.0)
-            ahead = self.k if self._gen_s is None else min(self.k, math.ceil(lead / max(self._step_s, 1e-3)))
+            # lease only as far ahead (versions, <= k) as a batch takes to make, less what the trainer's work
+            # after a publish hides: a full queue made batches k stale; async CartPole collapsed 1 run in 2
+            lead = (self._gen_s - self._post_s) / max(self._step_s, 1e-3)  # versions; none made yet: inf
+            ahead = math.ceil(min(self.k, max(lead, 0)))
             if held >= PER_WORKER:
                 return f"worker {worker} holds {held} leases"
             if self.version < 1:
@@ -426,17 +409,16 @@ class BatchQueue:
         with self._cv:
             self._held(lid)[2] = time.monotonic() + self.lease_timeout
 
-    def accept(self, batch, lid):  # -> batches queued; the lease is used up
+    def accept(self, batch, lid):  # the lease is used up
         with self._cv:
-            lease = self._held(lid)
-            if not lease[0] <= batch.version <= self.version:
-                raise ValueError(f"batch version {batch.version} is outside [{lease[0]}, {self.version}]: "
+            leased, _, _, granted = self._held(lid)
+            if not leased <= batch.version <= self.version:
+                raise ValueError(f"batch version {batch.version} is outside [{leased}, {self.version}]: "
                                  f"its lease's version .. the current one")
             del self._leases[lid]
-            made = time.monotonic() - lease[3]                     # since the lease was granted
-            self._gen_s = made if self._gen_s is None else 0.8 * self._gen_s + 0.2 * made
+            made = time.monotonic() - granted
+            self._gen_s = made if self._gen_s == math.inf else 0.8 * self._gen_s + 0.2 * made
             self.put(batch)
-            return len(self._queue)
 
 
 class TrainerServer(WireServer, BatchQueue):
@@ -446,13 +428,15 @@ class TrainerServer(WireServer, BatchQueue):
 
     def __init__(self, token, fingerprint, max_staleness, batches_per_step=1, host="0.0.0.0", port=0, *,
                  limits, lease_timeout=5.0, lease_life=600.0, timeout=30.0):
+        spec = wire_spec(limits, limits["prompt_len"] + limits["max_len"])   # its largest batch + a header
+        max_body = sum(math.prod(shape) * dtype.itemsize for dtype, shape in spec.values()) + (16 << 10)
         WireServer.__init__(self, token, {
-            "/info": ("GET", lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
-                                           "fingerprint": fingerprint, "names": self.names}),
-            "/lease": ("POST", self._lease), "/renew": ("POST", lambda q, b: self.renew(q["lease"])),
-            "/weights": ("GET", lambda q, b: self._blob(q, "weights")), "/batch": ("POST", self._submit),
-            "/adapter": ("GET", lambda q, b: self._blob(q, "adapter")),
-        }, max_batch_bytes(limits), host, port, timeout)
+            "GET /info": lambda q, b: {"version": self.version, "run": self.run, "limits": limits,
+                                       "fingerprint": fingerprint, "names": self.names},
+            "POST /lease": self._lease, "POST /renew": lambda q, b: self.renew(q["lease"]),
+            "GET /weights": lambda q, b: self._blob(q, "weights"), "POST /batch": self._submit,
+            "GET /adapter": lambda q, b: self._blob(q, "adapter"),
+        }, max_body, host, port, timeout)
         BatchQueue.__init__(self, max_staleness, batches_per_step, lease_timeout, lease_life)
         self.limits, self.run = limits, secrets.token_hex(8)
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
@@ -478,8 +462,7 @@ class TrainerServer(WireServer, BatchQueue):
         with self._cv:
             version, run = query["version"], query["run"]
             if run != self.run:
-                raise Rejected(409, f"run {run[:40]!r} is over, this is run {self.run} (restarted): "
-                                    f"lease again")
+                raise Rejected(409, f"run {run[:40]!r} is over, now {self.run} (restarted): lease again")
             if version != str(self.version) or name not in self._blobs:
                 raise Rejected(404, f"no {name} at version {version[:20]!r} (now {self.version}): ask /info")
             return self._blobs[name]
@@ -510,9 +493,8 @@ class TrainerServer(WireServer, BatchQueue):
             batch, meta = batch_from_bytes(body, self.limits)
             if meta["run"] != self.run:
                 self.count("wrong_run")
-                raise Rejected(409, f"batch of run {meta['run'][:40]!r}, this is run {self.run} (restarted): "
-                                    f"lease again")
-            return {"queued": self.accept(batch, meta["lease"])}
+                raise Rejected(409, f"run {meta['run'][:40]!r} is over, now {self.run}: lease again")
+            self.accept(batch, meta["lease"])
         except ValueError:
             self.count("refused")
             raise
@@ -533,17 +515,18 @@ class TrainerClient:
     def _call(self, method, path, body=None, patience=None):
         """-> the answer's bytes, or its JSON."""
         patience = self.patience if patience is None else patience
-        deadline = time.monotonic() + patience
-        for attempt in itertools.count():
-            time.sleep(min(self.backoff * (2 ** attempt - 1), 8.0))     # 0, 1, 3, 7, .. x backoff, capped
+        deadline, delay = time.monotonic() + patience, 0.0
+        while True:
+            time.sleep(delay)
+            delay = min(2 * delay + self.backoff, 8.0)                  # 0, 1, 3, 7, .. x backoff, capped
             try:
                 with self._open(urllib.request.Request(self.url + path, body, self.auth, method=method),
                                 timeout=self.timeout) as r:
                     data = r.read()
-                    return json.loads(data) if r.headers.get_content_type() == "application/json" else data
+                    return json.loads(data) if r.headers["Content-Type"] == "application/json" else data
             except urllib.error.HTTPError as e:     # ours are JSON
-                extra = json.loads(e.read()) if e.headers.get_content_type() == "application/json" else {}
-                raise Rejected(e.code, str(extra.pop("error", e.reason)), **extra) from None
+                extra = json.loads(e.read()) if e.headers["Content-Type"] == "application/json" else {}
+                raise Rejected(e.code, **{"error": e.reason, **extra}) from None
             except (OSError, HTTPException) as e:   # URLError is an OSError
                 if self.finished:                   # closed after saying so: no patience to wait out
                     raise Rejected(410, self.finished) from None
@@ -561,7 +544,7 @@ class TrainerClient:
                                    ("weight", info["names"], names)):
             ours = json.loads(json.dumps(ours))     # tuples -> lists, as the trainer's side came over JSON
             diff += [f"{what} {k!r}: trainer {theirs.get(k)!r}, worker {ours.get(k)!r}"
-                     for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)]
+                     for k in sorted({*theirs, *ours}) if theirs.get(k) != ours.get(k)]
         if diff:
             raise ValueError("trainer and worker differ, refusing to run: " + "; ".join(diff))
         return info
@@ -579,7 +562,7 @@ class TrainerClient:
         except Rejected as e:
             if e.status != 429:
                 raise
-            self.retry_after = e.body.get("retry_after", 1.0)
+            self.retry_after = e.body["retry_after"]
             return None
         self.renew_s = out["renew_s"]
         return out["run"], out["version"], out["lease"]

@@ -14,7 +14,7 @@ import torch
 
 from core import Batch
 from serve import (Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_from_bytes, batch_to_bytes,
-                   describe, max_batch_bytes, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
+                   describe, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
 
 TOKEN = "test-token-0123456789"
 FP = {"task": "cartpole", "split_seed": 0}
@@ -517,7 +517,7 @@ def test_a_batch_this_run_cannot_produce_gets_400_with_the_reason(serve, llm):
     # N = 4 rows; control T = 5, O = 4: states 4*5*4*4 = 320, actions 4*5*8 = 160, logp/rewards/mask 3*4*5*4 = 240,
     # truncated 4, group_id 32, final_states 4*4*4 = 64; LLM T = 3 + 4 = 7: states and actions 2*4*7*8 = 448,
     # logp/rewards/mask 3*4*7*4 = 336, truncated 4, group_id 32. 820 bytes either way, + a 16 KiB header
-    assert server.max_body == max_batch_bytes(LLM_LIMITS if llm else LIMITS) == 820 + (16 << 10)
+    assert server.max_body == 820 + (16 << 10)
     assert len(batch_to_bytes(make_batch(llm=llm, T=7 if llm else 5), "L" * 32, "R" * 16)) <= server.max_body
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert status_raw(server.port, {**auth, "Content-Length": str(server.max_body + 1)}) == 413
