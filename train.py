@@ -52,7 +52,8 @@ def flag(name):
 
 
 def arg(default, help, choices=None):   # metadata: the flag's add_argument keywords (argparse %-formats help)
-    return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices})
+    kw = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"type": type(default)}
+    return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices, **kw})
 
 
 @dataclass
@@ -260,8 +261,8 @@ SHOW = [[["reward", "eval_return", "loss"],
 # ---- helpers, in the order the loop calls them ----
 
 # the numbers' own bounds: (fields, test, what the message says they must be)
-BOUNDS = [(("steps", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens", "gen_batch"),
-           lambda v: v >= 1, ">= 1"),
+BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens",
+            "gen_batch"), lambda v: v >= 1, ">= 1"),
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
             "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
@@ -278,7 +279,7 @@ def validate(cfg, world=1):
               if not ok(getattr(cfg, name))]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
     rules = [   # (broken, message)
-        (cfg.n_prompts < 1 or cfg.n_prompts % world,
+        (cfg.n_prompts % world,
          f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} ranks: use --n-prompts "
          f"{max(world, cfg.n_prompts // world * world)}"),
         (cfg.overlong_cache >= cfg.max_new_tokens, "--overlong-cache must be < --max-new-tokens"),
@@ -290,8 +291,7 @@ def validate(cfg, world=1):
         (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS,   # returns run over mask-1 steps only
          f"--max-tool-calls needs --algo grpo or rloo: {cfg.algo}'s returns would stop at a tool reply"),
         (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls),
-         f"--model, --lora and --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: drop "
-         f"them"),
+         f"--model, --lora, --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: drop them"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -365,9 +365,9 @@ def share_cores(cfg):
 def nanorl_processes():
     """Processes running train.py on this machine, this one included (>= 1; 1 where there is no /proc)."""
     n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-            n += b"train.py" in [os.path.basename(a) for a in f.read().split(b"\0")[:3]]
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):              # a process gone meanwhile
+            n += b"train.py" in [os.path.basename(a) for a in cmdline.read_bytes().split(b"\0")[:3]]
     return max(n, 1)
 
 
@@ -377,25 +377,22 @@ class StopRun(Exception):
 
 @contextlib.contextmanager
 def stop_requests():
-    """Ctrl-C (SIGINT) or SIGTERM (sky cancel sends it to every rank) asks the loop to stop: it finishes
-    the step, every rank learns it from one all-reduce per step, and all save and exit together. Raising
-    at once instead left weights half-stepped, or one rank gone while another sat in a collective (no
-    checkpoint). Another signal over 2 s later quits at once, unsaved (sooner, it is the same Ctrl-C again,
-    as torchrun forwards the terminal's to ranks that got it already). -> [time of the first], empty: none"""
+    """Ctrl-C (SIGINT) or SIGTERM (sky cancel: to every rank) stops the loop after the step: each rank learns
+    it from one all-reduce per step, all save and exit together (raising at once left weights half-stepped,
+    or a rank gone while another sat in a collective: no checkpoint). Another signal over 2 s later quits at
+    once, unsaved (sooner: the same Ctrl-C, forwarded by torchrun). -> [time of the first], empty: none"""
     asked = []
-    if threading.current_thread() is not threading.main_thread():
-        yield asked                                     # signal handlers live in the main thread only
-        return
 
     def ask(signum, frame):
-        if asked and time.monotonic() - asked[0] > 2:
-            raise KeyboardInterrupt
         if not asked:
             asked.append(time.monotonic())
             # os.write, not print(): the main thread may be inside print() when the signal comes
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (send "
                         f"it again to quit at once, unsaved)\n".encode())
-    old = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)}
+        elif time.monotonic() - asked[0] > 2:
+            raise KeyboardInterrupt
+    old = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)
+           if threading.current_thread() is threading.main_thread()}   # only it may set signal handlers
     try:
         yield asked
     finally:
@@ -469,22 +466,19 @@ def make_optimizer(cfg, policy):
 
 
 def rollout_worker(cfg, task, threads):
-    """--role rollout: lease a slot, pull the weights if (run, version) changed, generate, submit with the
-    sampler's own log-probs, repeat; the lease is renewed all along (the trainer frees a silent one within
-    --lease-timeout). Never computes a gradient. Exits once the trainer says its run finished, or once it
-    stops answering for --trainer-patience s; a user error (wrong token, other settings): one line, exit 1."""
+    """--role rollout: lease a slot, pull new weights, generate, submit with the sampler's log-probs, repeat,
+    renewing the lease (a silent one is freed in --lease-timeout); no gradient. Exits once the trainer's run
+    finished or it is silent for --trainer-patience s; user errors (token, settings): one line, exit 1."""
     client = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience)
-    loaded, n = None, 0
+    loaded, n, say = None, 0, Logger().info             # say: print, flushed
     try:
         info = connect(client, cfg)
         per_batch = info["fingerprint"]["prompts_per_batch"]
         policy = make_policy(cfg, task)
         client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
-        print(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch; {threads}",
-              flush=True)
+        say(f"worker: {cfg.trainer_url}, {per_batch} prompts x {cfg.group_size} per batch; {threads}")
         while True:
-            lease = client.lease(wait=10)               # admission control: work only when it is needed
-            if lease is None:
+            if (lease := client.lease(wait=10)) is None:  # admission control: work only when it is needed
                 time.sleep(client.retry_after)
                 continue
             run, v, lease_id = lease
@@ -493,7 +487,10 @@ def rollout_worker(cfg, task, threads):
                 with client.keep_alive(lease_id):       # proves life while it pulls, generates and submits
                     while (run, v) != loaded:           # a --resume is a new run that reuses version numbers
                         try:
-                            load_weights(policy, client, run, v, cfg)
+                            if cfg.vllm:
+                                policy.load_adapter(v, client.adapter(run, v, policy.adapter_dir(v)), run)
+                            else:
+                                set_weights(policy, client.weights(run, v))
                             loaded = (run, v)
                         except Rejected as e:           # 404: published again since the lease: take the newer
                             if e.status != 404:
@@ -509,14 +506,14 @@ def rollout_worker(cfg, task, threads):
             except Rejected as e:                       # 409: a new run (trainer restarted), or lease lapsed
                 if e.status in (401, 403, 410):
                     raise
-                print(f"worker: batch at version {v} refused ({e}); leasing again", flush=True)
+                say(f"worker: batch at version {v} refused ({e}); leasing again")
     except Rejected as e:
         if e.status != 410:                             # 401/403: NANORL_TOKEN differs
             raise ValueError(f"the trainer at {cfg.trainer_url} refused this worker: "
                              f"{e.body['error']}") from None
-        print(f"worker: {e.body['error']}; exiting after {n} batches", flush=True)
+        say(f"worker: {e.body['error']}; exiting after {n} batches")
     except TrainerGone as e:
-        print(f"worker: {e}; exiting after {n} batches", flush=True)
+        say(f"worker: {e}; exiting after {n} batches")
     return {"batches": n}
 
 
@@ -534,29 +531,20 @@ def connect(client, cfg):
                          f"and port it logged") from None
 
 
-def load_weights(policy, client, run, version, cfg):
-    if cfg.vllm:
-        policy.load_adapter(version, client.adapter(run, version, policy.adapter_dir(version)), run)
-        return
-    set_weights(policy, client.weights(run, version))
-
-
 def fingerprint(cfg, prompts_per_batch):
     """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
     keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
             "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness", "max_tool_calls")
-    return {**{k: getattr(cfg, k) for k in keys}, "prompts_per_batch": prompts_per_batch}
+    return {k: getattr(cfg, k) for k in keys} | {"prompts_per_batch": prompts_per_batch}
 
 
 def batch_limits(cfg, task, policy, prompts_per_batch):
-    """What a batch of this run can be; the trainer refuses anything else with a 400
-    (serve.batch_from_bytes)."""
-    limits = {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
-              "max_len": task.max_len, "tool_calls": cfg.max_tool_calls}   # max_len, LLMs: max_new_tokens
-    if not cfg.is_llm:
-        return {**limits, "prompt_len": 0, "n_actions": task.n_actions, "obs_dim": task.obs_dim}
-    return {**limits, "prompt_len": task.max_prompt_len(policy.encode), "obs_dim": 0,
-            "n_actions": policy.model.get_input_embeddings().num_embeddings}
+    """What a batch of this run can be; the trainer refuses anything else (serve.batch_from_bytes: 400)."""
+    llm = cfg.is_llm                                    # max_len, LLMs: max_new_tokens
+    return {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
+            "max_len": task.max_len, "tool_calls": cfg.max_tool_calls, "obs_dim": 0 if llm else task.obs_dim,
+            "prompt_len": task.max_prompt_len(policy.encode) if llm else 0,
+            "n_actions": policy.model.get_input_embeddings().num_embeddings if llm else task.n_actions}
 
 
 def trainable(policy):
@@ -572,8 +560,7 @@ def set_weights(policy, tensors):
 
 
 def publish(policy, cfg, version, snapshots, server):
-    """Weights version `version`: every rank keeps a snapshot (old log-probs need it), rank 0 serves it,
-    with the LoRA adapter in PEFT's on-disk format for vLLM workers."""
+    """Every rank keeps a snapshot (for old log-probs); rank 0 serves it, LoRA also as PEFT files (vLLM)."""
     snap = snapshots.add(version, trainable(policy))
     if server is not None:
         files = None
@@ -592,15 +579,11 @@ def async_batch(server, snapshots, policy, cfg, version, rank, world, asked):
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, asked) if rank == 0 else [None]
         got = batches[:1]
         if world > 1:                                   # ranks stop together instead of hanging
-            torch.distributed.scatter_object_list(got, batches if rank == 0 else None, src=0)
-        if got[0] == "stop":
-            raise StopRun
-        if got[0] == "timeout":
-            raise TimeoutError(f"no worker batch within --batch-timeout {cfg.batch_timeout:g} s: start "
-                               f"workers (--role rollout --trainer-url http://THIS_HOST:PORT), or raise "
-                               f"--batch-timeout")
+            torch.distributed.scatter_object_list(got, batches, src=0)   # only rank 0's list is read
+        if isinstance(got[0], Exception):               # the same StopRun or TimeoutError on every rank
+            raise got[0]
         batch, snap = got[0].to(policy.device), snapshots.get(got[0].version)
-        if all_sum(float(snap is None)):                # ranks drop together to stay in step
+        if all_sum(snap is None):                       # ranks drop together to stay in step
             if server:
                 server.count("dropped_no_snapshot", world)
                 server.count("used", -world)
@@ -609,7 +592,7 @@ def async_batch(server, snapshots, policy, cfg, version, rank, world, asked):
 
 
 def wait_for_batches(server, n, version, timeout, asked):
-    """Rank 0: n batches, or n times "timeout" after `timeout` s, or "stop" once a stop is asked
+    """Rank 0: n batches, or n times a TimeoutError after `timeout` s, or a StopRun once a stop is asked
     (Ctrl-C, SIGTERM): waiting in short slices, so that a stop never waits out --batch-timeout."""
     deadline = time.monotonic() + timeout
     while not asked:
@@ -617,21 +600,22 @@ def wait_for_batches(server, n, version, timeout, asked):
             return server.next_batches(n, version, min(1.0, max(deadline - time.monotonic(), 0.0)))
         except TimeoutError:                            # the usable batches it took are back in the queue
             if time.monotonic() >= deadline:
-                return ["timeout"] * n
-    return ["stop"] * n
+                return [TimeoutError(f"no worker batch within --batch-timeout {timeout:g} s: start workers "
+                                     f"(--role rollout --trainer-url http://THIS_HOST:PORT), or raise "
+                                     f"--batch-timeout")] * n
+    return [StopRun()] * n
 
 
 @torch.no_grad()
 def score(policy, batch, micro_batch):
-    """Log-probs micro-batch by micro-batch, sliced exactly as update() slices: the same numbers, bit
-    for bit, as the update's own forward under the same weights. -> [[mb, T] per micro-batch]"""
+    """Log-probs sliced as update() slices: bit for bit its forward's. -> [[mb, T] per micro-batch]"""
     return [policy.logprobs(batch[s])[0] for s in batch.micro_batches(micro_batch)]
 
 
 @torch.no_grad()
 def old_logprobs(policy, batch, snapshot, micro_batch):
     """Swap in the weights that sampled the batch, score it, restore the current weights bit for bit."""
-    current = {n: p.detach().clone() for n, p in trainable(policy).items()}
+    current = {n: p.clone() for n, p in trainable(policy).items()}   # under no_grad: no graph to detach
     try:
         set_weights(policy, snapshot)
         return score(policy, batch, micro_batch)
@@ -642,7 +626,7 @@ def old_logprobs(policy, batch, snapshot, micro_batch):
 def batch_stats(batch, tools):
     """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
     R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
-    dead = (R == R[:, :1]).all(1).float().sum().item() if batch.group_size > 1 else 0.0
+    dead = (R == R[:, :1]).all(1).sum().item() if batch.group_size > 1 else 0
     per_row = {"reward": R, "completion_len": batch.lengths(), "truncated_frac": batch.truncated,
                **({"tool_calls": replies, "tool_frac": replies > 0} if tools else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
@@ -650,46 +634,39 @@ def batch_stats(batch, tools):
 
 
 def aggregate(x, mask, agg, denom):
-    """Sum of x [mb, T] over the mask divided by a global denominator, so the sum over
-    micro-batches and ranks is the full-batch loss. seq: each row first divided by its length."""
-    if agg == "seq":
+    """Masked sum of x [mb, T] / a global denominator: over micro-batches and ranks, the full-batch loss."""
+    if agg == "seq":                                    # each row first divided by its length
         x = x / mask.sum(1, keepdim=True).clamp(min=1)
     return masked_sum(x, mask) / denom
 
 
 def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
-    """PPO's clipped surrogate (Schulman 2017); with one epoch ratio == 1 and it is REINFORCE's
-    -(A * logp). All inputs [mb, T] -> (scalar loss, ratio [mb, T])."""
+    """PPO's clipped surrogate (Schulman 2017); at ratio 1, REINFORCE's -(A logp). [mb, T] -> (loss, ratio)"""
     ratio = torch.exp(logp - old_logp)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
-STALE_CAP = 1.0   # the largest weight pi_now / pi_then a stale sample gets (IMPALA-style truncation)
-
-
 def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
-    """inner_epochs optimizer steps on one batch, micro-batched, gradients summed over ranks. old_logp:
-    log-probs of the weights that sampled it (async), or None (sync: these weights). Epoch 0's own,
-    detached, centre the clip (ratio 1); stale tokens weigh min(1, pi_now / pi_then) (V-trace, decoupled
-    PPO: clipping against pi_then cut ~70% of async CartPole's gradient). -> dict of logged metrics."""
+    """inner_epochs optimizer steps on a batch, micro-batched, gradients summed over ranks. old_logp: the
+    sampler's log-probs (async) or None (sync). Epoch 0's own, detached, centre the clip (ratio 1); stale
+    tokens weigh min(1, pi_now/pi_then) (V-trace; a clip at pi_then cut ~70% of async CartPole's gradient)"""
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
     old = []                                            # the weights' before this update, per micro-batch
-    behaviour = old if old_logp is None else old_logp   # the sampler's: sync, these very weights
+    behaviour = old_logp or old                         # the sampler's: sync, these very weights
     ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
-    groups = policy.param_groups()
     skipped = 0
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            mb, a, m = batch[s], adv[s], batch.mask[s]
+            mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
             if epoch == 0:
                 old.append(logp.detach())
-            a = a * torch.exp(old[i] - behaviour[i]).clamp(max=STALE_CAP)             # 1 unless stale
+            a = adv[s] * torch.exp(old[i] - behaviour[i]).clamp(max=1.0)  # 1 unless stale (IMPALA-style cap)
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(behaviour[i] - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
@@ -713,13 +690,13 @@ def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
                 sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
         all_reduce_grads(policy.parameters())           # those with a gradient: frozen ones have none
         norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
-                 for name, ps in groups.items()}
+                 for name, ps in policy.param_groups().items()}
         if all(torch.isfinite(n) for n in norms.values()):
             opt.step()
         else:                                           # never write NaN/inf into the weights
             skipped += 1
             print(f"skipped update (epoch {epoch}): non-finite gradient norm "
-                  f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr, flush=True)
+                  f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr)   # stderr: line-buffered
     return dict(zip(sums, all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()),
                 grad_norm=norms["actor"].item(), skipped=skipped)
 
@@ -727,8 +704,8 @@ def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
 def save_checkpoint(cfg, policy, opt, state):
     """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
     path = cfg.out + ".pt"                              # its folder exists: rank 0's Logger.open_csv made it
-    weights = {n: p.detach().cpu() for n, p in trainable(policy).items()}  # not a frozen base
-    torch.save({"format": "nanorl-1", "config": asdict(cfg), "policy": weights,
+    torch.save({"format": "nanorl-1", "config": asdict(cfg),
+                "policy": {n: p.detach().cpu() for n, p in trainable(policy).items()},   # not a frozen base
                 "optimizer": opt.state_dict(), **state}, path + ".tmp")
     os.replace(path + ".tmp", path)
     if cfg.lora:                                        # PEFT's on-disk format too: vLLM and PEFT load it
@@ -780,18 +757,15 @@ def load_checkpoint(cfg, policy, opt):
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
 
-def parse_config(argv=None):
-    """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then flags."""
+def parse_config(argv):
+    """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then argv's flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 
     def fail(message):                                  # one line naming the fix, not a 25-line usage dump
         raise ValueError(f"{message} (python train.py --help lists every flag)")
     p.error = fail
     for f in fields(Config):
-        kw = ({"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool)
-              else {"type": type(f.default)})
-        p.add_argument(flag(f.name), default=f.default, **kw, **f.metadata)
-    argv = sys.argv[1:] if argv is None else list(argv)
+        p.add_argument(flag(f.name), default=f.default, **f.metadata)
     pre, unknown = p.parse_known_args(argv)
     for typo in [u.split("=")[0] for u in unknown if u.startswith("--")][:1]:
         close = difflib.get_close_matches(typo.replace("_", "-"), map(flag, vars(pre)), cutoff=0.7)
@@ -804,8 +778,8 @@ def parse_config(argv=None):
 
 
 def read_yaml(path):
-    """A YAML preset as flags, so that argparse checks its types and choices as it checks the command
-    line's (YAML 1.1 reads 1e-3 as a string: as a flag it is a float like any other)."""
+    """A YAML preset as flags, which argparse checks as it checks the command line's (YAML 1.1 reads 1e-3 as
+    a string: as a flag it is a float like any other)."""
     import yaml
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
@@ -830,16 +804,15 @@ def read_yaml(path):
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C
     try:
-        train(parse_config())
+        train(parse_config(sys.argv[1:]))
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
-        # one 'error: ...' (rank 0 only under torchrun, which would print it once per rank), also written to
-        # torchrun's error file, so that its failure summary names the cause instead of "To enable traceback"
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
-                with open(path, "w") as f:
-                    json.dump({"message": f"error: {e}", "timestamp": int(time.time())}, f)
-        sys.exit(1)
+        # one 'error: ...' on stderr (rank 0 only under torchrun, which would print it once per rank), also
+        # written to torchrun's error file, so its failure summary names the cause, not "To enable traceback"
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if rank0 and (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
+            pathlib.Path(path).write_text(json.dumps({"message": f"error: {e}",
+                                                      "timestamp": int(time.time())}))
+        sys.exit(f"error: {e}" if rank0 else 1)         # a message: printed to stderr, exit status 1
     except (StopRun, KeyboardInterrupt):                # saved, said how to resume; or quit at once, unsaved
         sys.exit(130)
     if torch.distributed.is_initialized():  # torch asks: no process group left to the interpreter's exit
