@@ -80,9 +80,6 @@ class Batch:
     def grouped_rewards(self):
         return self.rewards.sum(1).view(self.n_prompts, self.group_size)    # [n_prompts, G]
 
-    def lengths(self):
-        return self.mask.sum(1)                                             # [N]
-
     def tool_replies(self):
         """Tool replies inserted in each row: the runs of 0s between runs of 1s in its mask."""
         starts = self.mask.diff(prepend=torch.zeros_like(self.mask[:, :1])) > 0       # [N, T] a run begins

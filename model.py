@@ -76,9 +76,9 @@ class _Text:
 
 class HFPolicy(_Text, nn.Module):
     """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT). Sampling is
-    softmax(logits / temperature) only: generation_config is never read (Qwen's top_k=20 and repetition
-    penalty, which generate() applies silently, would make the loss model the wrong distribution). Trainable
-    weights are fp32; `dtype` is autocast's and the frozen LoRA base's (bf16 is safe: never updated)."""
+    softmax(logits / temperature) only, never generation_config's (Qwen's top_k=20 and repetition penalty,
+    applied silently by generate(), would make the loss model the wrong distribution). Trainable weights
+    are fp32; `dtype` is autocast's and the frozen LoRA base's (bf16 is safe: never updated)."""
 
     def __init__(self, name, lora_r=0, lora_alpha=32, lora_targets="all-linear", dtype="float32",
                  temperature=1.0, max_new_tokens=256, gen_batch=64, grad_ckpt=False, thinking=False,
@@ -94,11 +94,10 @@ class HFPolicy(_Text, nn.Module):
             raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: {e!s:.300}): "
                              "pass a hub id or a directory saved with save_pretrained") from None
         # transformers 5.24 renamed forward's past_key_values to cache and gradient_checkpointing_enable to
-        # activation_checkpointing_enable; a worker next to vLLM (transformers < 5.21) has the old names
+        # activation_checkpointing_enable (the old: an alias until v6, past our < 6 pin); vLLM's (< 5.21): old
         forward_args = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
-            # (the old name: a deprecated alias from 5.24 on, removed in v6; requirements pin < 6)
             enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
             enable({"use_reentrant": False})
             # checkpointed layers drop the KV cache unless told (a replay would store it twice; _prefix_cache

@@ -5,6 +5,7 @@ of a group starts from the same prompt (the same initial state, for control).
 """
 import ast
 import hashlib
+import itertools
 import json
 import operator
 import os
@@ -338,20 +339,35 @@ class LLMTask:
         return Batch.from_rows(rows, group_size)
 
     def _solved(self, policy, problems, k, greedy):
-        """How many problems have one of k samples correct (rewards[0] == 1)."""
-        ids, fn = self.prompt_ids(policy.encode, problems), self.rewards[0][1]
-        hits = [fn(problems[i // k]["prompt"], policy.decode(c.tolist()), problems[i // k]["answer"]) == 1.0
-                for i, (c, *_) in enumerate(policy.act(ids, k, greedy, self.tools))]
-        return float(np.reshape(hits, (len(problems), k)).any(1).sum())
+        """How many problems have one of k samples correct (rewards[0] == 1); a samples.jsonl record each."""
+        ids, fn, records = self.prompt_ids(policy.encode, problems), self.rewards[0][1], []
+        for i, (c, _, sampled, _) in enumerate(policy.act(ids, k, greedy, self.tools)):
+            p, text = problems[i // k], policy.decode(c.tolist())
+            records.append(sample_record(policy.decode, p["prompt"], c, sampled, kind="eval",
+                                         reward=self.score(p, text, len(c)),
+                                         correct=fn(p["prompt"], text, p["answer"]) == 1.0))
+        hits = np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()
+        return float(hits), records
 
     def evaluate(self, policy, rank=0, world=1):
         """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
-        so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct."""
+        so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct.
+        samples: this rank's greedy completions as samples.jsonl records (train.py writes rank 0's)."""
         mine, n = self.eval_set[rank::world], len(self.eval_set)
-        out = {"eval_acc": all_sum(self._solved(policy, mine, 1, True)) / n}
+        hits, samples = self._solved(policy, mine, 1, True)
+        out = {"eval_acc": all_sum(hits) / n, "samples": samples}
         if self.pass_k > 1:
-            out["pass_at_k"] = all_sum(self._solved(policy, mine, self.pass_k, False)) / n
+            out["pass_at_k"] = all_sum(self._solved(policy, mine, self.pass_k, False)[0]) / n
         return out
+
+
+def sample_record(decode, prompt, ids, sampled, **fields):
+    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were scored (ids [C]) and,
+    if a tool replied, each reply's text in order (the runs of sampled == False, [C] bool, inside it)."""
+    runs = itertools.groupby(zip(ids.tolist(), sampled.tolist()), key=lambda pair: pair[1])
+    replies = [decode([token for token, _ in run]) for own, run in runs if not own]
+    return {"prompt": prompt, "completion": decode(ids.tolist()), **fields,
+            **({"tool_replies": replies} if replies else {})}
 
 
 class Countdown(LLMTask):

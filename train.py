@@ -30,6 +30,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
+import secrets  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -42,7 +43,7 @@ import torch  # noqa: E402
 from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
-from tasks import TASKS  # noqa: E402
+from tasks import TASKS, sample_record  # noqa: E402
 from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
@@ -129,6 +130,8 @@ class Config:
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
+    report_to: str = arg("", "also log every CSV row to these trackers, comma-separated: wandb, trackio, "
+                             "tensorboard (pip install it; rank 0 only)")
 
     @property
     def is_llm(self):
@@ -163,11 +166,14 @@ def train(cfg):
              + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
-    state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
+    state = (load_checkpoint(cfg, policy, opt) if cfg.resume       # run_id: the trackers', kept by --resume
+             else {"step": 0, "env_steps": 0, "run_id": secrets.token_hex(8)})
+    first = state["step"] + 1
     broadcast_params(trainable(policy).values())
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
+    log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
     snapshots, server, per_rank = Snapshots(cfg.max_staleness), None, cfg.n_prompts // world
@@ -178,14 +184,16 @@ def train(cfg):
                                    lease_life=cfg.batch_timeout,
                                    limits=batch_limits(cfg, task, policy, per_rank)).start()
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
-        publish(policy, cfg, state["step"] + 1, snapshots, server)
-    row, t_loop, first = {}, time.time(), state["step"] + 1
+        publish(policy, cfg, first, snapshots, server)
+    row, t_loop = {}, time.time()
     with stop_requests() as asked:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
                 row = {"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)}
+                held_out = row.pop("samples", [])       # an LLM task's evaluation: its completions
                 log.log(row)
                 log.info(f"before training (step 0): {task.metric} {row[task.metric]:.4g}")
+                log.samples(0, held_out)
             for step in range(first, cfg.steps + 1):
                 if all_sum(float(bool(asked))):         # every rank, once per step: all stop at a step's end
                     raise StopRun
@@ -211,15 +219,17 @@ def train(cfg):
                     stats["staleness"] = all_sum(step - batch.version) / world
                     stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
-                state = {"step": step, "env_steps": state["env_steps"] + n_tok}
+                state.update(step=step, env_steps=state["env_steps"] + n_tok)
                 row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, "gen_s": t1 - t0,
                        "train_s": t2 - t1, "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0),
                        "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row.update(evaluate(task, policy, cfg, log, rank, world))
+                held_out = row.pop("samples", [])              # an LLM task's evaluation: its completions
                 log.log(row)
                 log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
                              (time.time() - t_loop) / (step - first + 1))
+                log.samples(step, held_out, group_samples(policy, batch, adv) if held_out else [])
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
                 if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
@@ -229,7 +239,7 @@ def train(cfg):
                              f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
                              f"env steps")
                     break
-            if server is not None:                      # workers hear it (410) and exit in seconds, not a
+            if server:                      # workers hear it (410) and exit in seconds, not a
                 server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
         except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
             if rank == 0:
@@ -244,7 +254,8 @@ def train(cfg):
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
             raise
         finally:
-            if server is not None:
+            log.close()                                 # the trackers' last rows too
+            if server:
                 server.stop()                           # answer what is in flight, then close
     log.info(f"wrote {cfg.out}.csv and {cfg.out}.pt; plot the run: python tests/plot.py {cfg.out}.csv")
     return row
@@ -317,6 +328,8 @@ def validate(cfg, world=1):
         (cfg.dtype == "float16" and cfg.role != "rollout",
          "--dtype float16 would train without loss scaling (small gradients underflow to 0): use bfloat16, "
          "or float32; float16 is for --role rollout workers, which compute no gradient"),
+        (set(cfg.report_to.split(",")) - {"", "wandb", "trackio", "tensorboard"},
+         f"--report-to {cfg.report_to}: the trackers are wandb, trackio, tensorboard, comma-separated"),
         (cfg.resume and not os.path.isfile(cfg.resume),
          f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
         (written and not cfg.resume and cfg.role != "rollout",
@@ -405,6 +418,17 @@ def evaluate(task, policy, cfg, log, rank, world):
         log.info(f"evaluating: {len(task.eval_set)} held-out problems, greedy"
                  + (f", and pass@{cfg.pass_k}" if cfg.pass_k > 1 else "") + " ...")
     return task.evaluate(policy, rank, world)
+
+
+def group_samples(policy, batch, adv):
+    """This rank's first group as samples.jsonl records, made as they are written (rank 0): the G
+    completions of one prompt beside their rewards and advantages, GRPO's comparison in text. batch [N, T]."""
+    for i in range(batch.group_size):
+        trained = batch.mask[i].nonzero()[:, 0]          # the completion's sampled positions
+        start, end = int(trained[0]), int(trained[-1]) + 1
+        yield sample_record(policy.decode, policy.decode(batch.states[i, :start].tolist()),
+                            batch.states[i, start:end], batch.mask[i, start:end] > 0, kind="train",
+                            reward=batch.rewards[i].sum().item(), advantage=adv[i, start].item())
 
 
 def make_task(cfg):
@@ -562,7 +586,7 @@ def set_weights(policy, tensors):
 def publish(policy, cfg, version, snapshots, server):
     """Every rank keeps a snapshot (for old log-probs); rank 0 serves it, LoRA also as PEFT files (vLLM)."""
     snap = snapshots.add(version, trainable(policy))
-    if server is not None:
+    if server:
         files = None
         if cfg.lora:
             with tempfile.TemporaryDirectory() as d:
@@ -627,7 +651,7 @@ def batch_stats(batch, tools):
     """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
     R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
     dead = (R == R[:, :1]).all(1).sum().item() if batch.group_size > 1 else 0
-    per_row = {"reward": R, "completion_len": batch.lengths(), "truncated_frac": batch.truncated,
+    per_row = {"reward": R, "completion_len": batch.mask.sum(1), "truncated_frac": batch.truncated,
                **({"tool_calls": replies, "tool_frac": replies > 0} if tools else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
             "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
@@ -713,7 +737,7 @@ def save_checkpoint(cfg, policy, opt, state):
 
 
 # what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
-RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at",
+RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at", "report_to",
                      "micro_batch", "gen_batch", "grad_ckpt", "threads", "serve_host", "serve_port",
                      "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem"}
 
@@ -752,7 +776,7 @@ def load_checkpoint(cfg, policy, opt):
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {s}", flush=True)
-    return {"step": s, "env_steps": ck["env_steps"]}
+    return {"step": s, "env_steps": ck["env_steps"], "run_id": ck.get("run_id")}   # None: older, a new one
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----

@@ -5,6 +5,8 @@ and every statistic that must match one process (whiten's mean and std) is summe
 """
 import csv
 import datetime
+import importlib
+import json
 import os
 import time
 
@@ -152,11 +154,12 @@ def broadcast_params(params):
             dist.broadcast(p.data, 0)
 
 
-# ---- logging, rank 0 only: every metric in a CSV row per step, one readable line per step on stdout ----
+# ---- logging, rank 0 only: every metric in a CSV row per step (and to --report-to's trackers), a readable
+# line per step on stdout, completions in <out>.samples.jsonl ----
 
 class Logger:
     def __init__(self, enabled=True):
-        self.enabled, self.file, self.t0 = enabled, None, time.time()
+        self.enabled, self.file, self.trackers, self.t0 = enabled, None, [], time.time()  # open_tracker()s
 
     def open_csv(self, path, columns, keep_until=None):
         """keep_until (resuming): keep the rows of steps <= keep_until, drop the later ones (they are
@@ -176,11 +179,43 @@ class Logger:
         os.replace(path + ".tmp", path)
         self.file = open(path, "a", newline="")
         self.csv = csv.DictWriter(self.file, columns)
+        # appended to (made by the first sample: LLM tasks): after a --resume, steps trained again log again
+        self.samples_path = path.removesuffix(".csv") + ".samples.jsonl"
+
+    def report_to(self, names, out, run_id, config, resume_step):
+        """--report-to: every row also to these trackers, at its step; each library imported only here. A
+        missing library or an unreachable service costs one line naming the fix, never the run."""
+        for name in names.split(",") if self.enabled and names else []:
+            try:
+                self.trackers.append(open_tracker(name, out, run_id, config, resume_step))
+            except Exception as e:      # ImportError; wandb's UsageError, CommError; trackio's ConnectError
+                self.info(f"--report-to {name}: off for this run ({type(e).__name__}: {str(e)[:200]}): pip "
+                          f"install {name}, log in or set its offline mode; the CSV has every row")
 
     def log(self, row):
         if self.file:
             self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
             self.file.flush()
+        for log, _ in self.trackers:
+            log({k: v for k, v in row.items() if k != "step"}, row["step"])
+
+    def samples(self, step, held_out, group=()):
+        """A line per sample in <out>.samples.jsonl (read it with head or jq): the first 8 held-out greedy
+        completions (the same problems each time) and a training group's, with rewards and advantages.
+        Under the step line, the first right and the first wrong held-out completion, a line each."""
+        if self.file and held_out:
+            with open(self.samples_path, "a") as f:
+                for record in [*held_out[:8], *group]:
+                    f.write(json.dumps({"step": step, **record}) + "\n")
+        for right in (True, False):
+            shown = next((r for r in held_out if r["correct"] == right), None)
+            if shown:                   # repr: a line, its newlines as \n
+                self.info(f"  {'right' if right else 'wrong'}: {shown['prompt']!r} -> {shown['completion']!r}"
+                          [:150])
+
+    def close(self):
+        for _, close in self.trackers:
+            close()
 
     def progress(self, row, keys, steps, sec_per_step):
         """step i/N, the metrics in keys, s/step, elapsed, ETA (an upper bound: runs may stop once solved)."""
@@ -193,3 +228,25 @@ class Logger:
     def info(self, msg):
         if self.enabled:
             print(msg, flush=True)
+
+
+def open_tracker(name, out, run_id, config, resume_step):
+    """--report-to's tracker `name` for the run writing <out>.csv -> (log(row, step), close). A resumed run
+    (resume_step: its first step) goes on in its tracker run: wandb's by run_id (offline: a new one),
+    trackio's by name; tensorboard drops its events from resume_step on, as the CSV drops its later rows."""
+    if name == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams
+        writer = SummaryWriter(out + ".tensorboard", purge_step=resume_step)
+        for summary in [] if resume_step else hparams(config, {}):        # its HPARAMS tab, in this folder
+            writer.file_writer.add_summary(summary)
+
+        def log(row, step):
+            for k, v in row.items():
+                writer.add_scalar(k, v, step)
+        return log, writer.close
+    lib = importlib.import_module(name)         # trackio has wandb's API: one code path for both
+    run = lib.init(project="nanorl", name=os.path.basename(out), config=config,
+                   resume="allow" if resume_step else "never",
+                   **({"id": run_id} if name == "wandb" else {}))
+    return lambda row, step: run.log(row, step=step), run.finish

@@ -43,14 +43,14 @@ def test_rollout_equals_gymnasium_step_for_step(choose):
     for i, seed in enumerate(seeds):
         states, truncated = gym_episode(seed, choose)
         L = len(states) - 1                                                # steps taken
-        assert batch.lengths()[i].item() == L and batch.truncated[i].item() == truncated
+        assert batch.mask.sum(1)[i].item() == L and batch.truncated[i].item() == truncated
         assert np.array_equal(batch.states[i, :L].numpy(), states[:-1])    # bitwise, float32
         assert np.array_equal(batch.final_states[i].numpy(), states[-1])
         assert (batch.mask[i, L:] == 0).all() and (batch.states[i, L:] == 0).all()
     if choose is balance:
-        assert batch.truncated.all() and (batch.lengths() == 500).all()
+        assert batch.truncated.all() and (batch.mask.sum(1) == 500).all()
     else:
-        assert not batch.truncated.any() and (batch.lengths() < 500).all()
+        assert not batch.truncated.any() and (batch.mask.sum(1) < 500).all()
 
 
 def test_groups_share_a_start_and_eval_seeds_are_held_out():

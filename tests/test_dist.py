@@ -60,14 +60,17 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, algo, agg):
 
 
 def test_torchrun_two_ranks_end_to_end(tmp_path):
+    report = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
-           "train.py", "--steps", "3", "--n-prompts", "4", "--out", str(tmp_path / "dp"), "--solve-at", "0"]
+           "train.py", "--steps", "3", "--n-prompts", "4", "--out", str(tmp_path / "dp"), "--solve-at", "0", *report]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("step 3/3 ") == 1                                # rank 0 logs, once per step
     assert p.stdout.count("torch.distributed: gloo, the policy on the CPU (an MLP policy)") == 1   # rank 0, once
     assert len((tmp_path / "dp.csv").read_text().splitlines()) == 1 + 1 + 3       # header, step-0 eval, 3 steps
+    if report:                                          # rank 0 alone reports: one writer, one events file
+        assert len(os.listdir(tmp_path / "dp.tensorboard")) == 1, os.listdir(tmp_path / "dp.tensorboard")
 
 
 def llm_rank_main(rank, port, tiny, out):
@@ -168,7 +171,9 @@ def test_collectives_and_a_sharded_evaluation_on_two_ranks(tmp_path):
             from model import HFPolicy
             from tasks import MaxDigit
             torch.manual_seed(0)
-            assert r["maxdigit"] == MaxDigit(eval_episodes=9, max_new_tokens=1).evaluate(HFPolicy(tiny, max_new_tokens=1))
+            alone = MaxDigit(eval_episodes=9, max_new_tokens=1).evaluate(HFPolicy(tiny, max_new_tokens=1))
+            assert r["maxdigit"].pop("samples") == alone.pop("samples")[rank::2]   # each rank's own share
+            assert r["maxdigit"] == alone
 
 
 

@@ -199,7 +199,7 @@ def mixed_batch(pol, G=3, seed=2):
     pol.eos = [1, 5]
     torch.manual_seed(seed)
     batch = as_batch(prompts, pol.act(prompts, G), G)
-    assert len(set(batch.lengths().tolist())) > 2 and len({len(p) for p in prompts}) == 4
+    assert len(set(batch.mask.sum(1).tolist())) > 2 and len({len(p) for p in prompts}) == 4
     return batch
 
 

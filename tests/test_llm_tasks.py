@@ -231,11 +231,17 @@ def test_evaluate_greedy_and_pass_at_k():
     task = MaxDigit(eval_episodes=8, data="", overlong_cache=0, max_new_tokens=2, pass_k=4)
     # greedy right; sampling right only on the 4th sample -> pass@4 = 1
     policy = ScriptedLLM(lambda p, j, greedy: (max(p[:3]) if greedy or j == 3 else "x", False))
-    assert task.evaluate(policy) == {"eval_acc": 1.0, "pass_at_k": 1.0}
+    got = task.evaluate(policy)
+    # a samples.jsonl record per greedy completion: its text, full reward and correctness
+    assert got.pop("samples") == [{"prompt": p["prompt"], "completion": p["answer"], "kind": "eval", "reward": 1.0,
+                                   "correct": True} for p in task.eval_set]
+    assert got == {"eval_acc": 1.0, "pass_at_k": 1.0}
     assert policy.calls == [(8, 1, True), (8, 4, False)]
     nines = ScriptedLLM(lambda p, j, greedy: ("9", False))                           # the 27.1% baseline
     expected = np.mean([p["answer"] == "9" for p in task.eval_set])
-    assert task.evaluate(nines) == {"eval_acc": expected, "pass_at_k": expected}
+    got = task.evaluate(nines)
+    assert [s["correct"] for s in got.pop("samples")] == [p["answer"] == "9" for p in task.eval_set]
+    assert got == {"eval_acc": expected, "pass_at_k": expected}
 
 
 def test_reward_weights_and_constructors():

@@ -43,7 +43,9 @@ def test_imports_point_one_way(name):
 # 2,000 non-blank lines, 110 characters, functions <= 60 lines (train() excepted), classes <= 150.
 # Raised once, nonblank 2374 -> 2405: tool use (issue 15) added ~100 lines and ~70 were won back elsewhere;
 # the rest are its explaining comments and docstrings (its code tokens were all won back: 22439 -> 22413).
-RATCHET = {"tokens": 22413, "nonblank": 2405, "width": 110, "func": 60, "class": 139}
+# Issue 14's fourth step reached 21,512 / 2,310; issue 16 (samples.jsonl, --report-to) then spent ~890 tokens
+# of that room: 22413 -> 22404 tokens, 2405 -> 2394 lines, nothing raised.
+RATCHET = {"tokens": 22404, "nonblank": 2394, "width": 110, "func": 60, "class": 139}
 
 
 def code_tokens(src: str) -> int:

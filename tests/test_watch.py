@@ -1,0 +1,191 @@
+"""Watching a run (issue 16): <out>.samples.jsonl holds the completions that were scored, as text; --report-to
+sends every CSV row to wandb, trackio and tensorboard, read back here through their own files, offline."""
+import csv
+import json
+import math
+import os
+import sqlite3
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
+import train  # noqa: E402
+from model import make_tiny_lm  # noqa: E402
+from tasks import maxdigit_reward, sample_record  # noqa: E402
+
+from test_train import ROOT  # noqa: E402
+
+
+def test_samples_are_the_scored_ids_as_text_with_rewards_and_advantages(tmp_path, monkeypatch, capsys):
+    tiny = make_tiny_lm(str(tmp_path / "tiny"))
+    batches = {}                                        # step -> the batch the loop trained on (a spy)
+    make_task = train.make_task
+
+    def spying(cfg):
+        task = make_task(cfg)
+        rollout = task.rollout
+
+        def recorded(*args, **kwargs):
+            batch = rollout(*args, **kwargs)
+            batches[len(batches) + 1] = batch
+            return batch
+        task.rollout = recorded
+        return task
+    monkeypatch.setattr(train, "make_task", spying)
+    cfg = train.Config(task="maxdigit", model=tiny, algo="grpo", n_prompts=4, group_size=4, max_new_tokens=2,
+                       steps=4, eval_every=2, eval_episodes=20, solve_at=0, lr=0.01, out=str(tmp_path / "run"))
+    train.train(cfg)
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in open(tmp_path / "run.samples.jsonl")]
+    # per evaluation (steps 0, 2, 4): the first 8 held-out problems; steps 2 and 4: a group of 4 too
+    assert [(r["step"], r["kind"]) for r in records] == [
+        (s, kind) for s in (0, 2, 4) for kind in ["eval"] * 8 + ["train"] * 4 * (s > 0)]
+    held_out = {r["prompt"] for r in records if r["kind"] == "eval" and r["step"] == 0}
+    assert len(held_out) == 8
+    for r in records:
+        assert set(r) == {"step", "kind", "prompt", "completion", "reward",
+                          "correct" if r["kind"] == "eval" else "advantage"}
+        answer = str(max(r["prompt"][-4:-1]))           # MaxDigit: '381=' -> '8'
+        assert r["reward"] == maxdigit_reward(r["prompt"], r["completion"], answer)
+        if r["kind"] == "eval":
+            assert r["prompt"] in held_out and r["correct"] == (r["reward"] == 1.0)
+    for step in (2, 4):                                 # the group is the batch's first: the ids that were scored
+        batch, group = batches[step], [r for r in records if r["step"] == step and r["kind"] == "train"]
+        R = batch.rewards.sum(1)[:4]                                                # [G]
+        adv = (R - R.mean()) / (R.std() + 1e-6) if R.std() > 0 else torch.zeros(4)  # GRPO, worked out here
+        for i, r in enumerate(group):
+            ids = batch.states[i][batch.mask[i] > 0].tolist()                       # no tool: all sampled
+            assert r["completion"] == "".join(VOCAB[t] for t in ids)
+            assert r["prompt"] == "".join(VOCAB[t] for t in batch.states[i][:len(r["prompt"])].tolist())
+            assert r["reward"] == R[i].item() and r["advantage"] == pytest.approx(adv[i].item(), abs=1e-6)
+    # under each evaluation's step line: its first right and first wrong held-out completion, if any
+    for step in (0, 2, 4):
+        evals = [r for r in records if r["step"] == step and r["kind"] == "eval"]
+        for right in (True, False):
+            shown = [r for r in evals if r["correct"] == right][:1]
+            line = [f"  {'right' if right else 'wrong'}: {r['prompt']!r} -> {r['completion']!r}" for r in shown]
+            assert all(x in out.splitlines() for x in line), (line, out[-2000:])
+    assert "  wrong: " in out                          # a random tiny LM is wrong somewhere at step 0
+
+
+VOCAB = ["", "", ""] + list("0123456789 =,")          # make_tiny_lm's ids: 3 specials (decoded as ''), then chars
+
+
+def test_a_tool_reply_is_marked_in_its_sample():
+    decode = lambda ids: "".join(VOCAB[i] for i in ids)                              # the tiny LM's tokenizer
+    ids = torch.tensor([VOCAB.index(c) for c in "12=144 9=81 1"])
+    sampled = torch.tensor([c == "s" for c in "sssrrrsssrrss"])                      # r: a reply's ids
+    record = sample_record(decode, "p", ids, sampled, kind="eval")
+    assert record == {"prompt": "p", "completion": "12=144 9=81 1", "kind": "eval", "tool_replies": ["144", "81"]}
+    assert sample_record(decode, "p", ids, torch.ones(13, dtype=torch.bool)) == {      # no reply: no key
+        "prompt": "p", "completion": "12=144 9=81 1"}
+
+
+# ---- trackers: every CSV row, read back from each library's own files ----
+
+def read_csv(path):
+    """-> {step: {column: float}}, blank cells left out (as the trackers leave them out)."""
+    with open(path) as f:
+        return {int(r["step"]): {k: float(v) for k, v in r.items() if v != "" and k != "step"}
+                for r in csv.DictReader(f)}
+
+
+def tensorboard_history(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(folder, size_guidance={"scalars": 0})
+    acc.Reload()
+    history = {}
+    for tag in acc.Tags()["scalars"]:
+        for event in acc.Scalars(tag):
+            history.setdefault(event.step, {})[tag] = event.value
+    return history
+
+
+def trackio_history(db):
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT step, metrics FROM metrics ORDER BY id").fetchall()
+    # a step logged twice (trained again after a resume) counts as its last row, as in trackio's plots
+    return {step: {k: float(v) for k, v in json.loads(metrics).items()} for step, metrics in rows}
+
+
+def wandb_history(folder):
+    """History of every offline run under folder, oldest first: the records of its .wandb file (a LevelDB-style
+    log of 32 KiB blocks, each record with a 7-byte header: CRC, length, type), decoded with wandb's protobufs."""
+    from wandb.proto import wandb_internal_pb2
+    history = {}
+    for run in sorted(os.listdir(os.path.join(folder, "wandb"))):
+        if not run.startswith("offline-run-"):
+            continue
+        path = next(os.path.join(folder, "wandb", run, f) for f in os.listdir(os.path.join(folder, "wandb", run))
+                    if f.endswith(".wandb"))
+        data, pos, chunks = open(path, "rb").read(), 7, []       # a 7-byte file header: ':W&B', version
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            if left < 7:                                          # a block's tail too short for a header
+                pos += left
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            if kind == 0 and length == 0:
+                break
+            chunks.append(data[pos + 7:pos + 7 + length])
+            pos += 7 + length
+            if kind in (1, 4):                                    # FULL or LAST: a whole record
+                record = wandb_internal_pb2.Record.FromString(b"".join(chunks))
+                chunks = []
+                if record.HasField("history"):
+                    items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                    history[record.history.step.num] = {k: float(v) for k, v in items.items()
+                                                        if not k.startswith("_")}
+    return history
+
+
+def same(history, rows):
+    assert history.keys() == rows.keys()
+    for step, row in rows.items():
+        assert history[step].keys() == row.keys(), step
+        assert all(math.isclose(history[step][k], v, rel_tol=1e-6, abs_tol=1e-6) for k, v in row.items()), step
+
+
+def run(tmp_path, *args, python_prelude=""):
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
+           "WANDB_CACHE_DIR": str(tmp_path / "cache"), "WANDB_CONFIG_DIR": str(tmp_path / "config"),
+           "TRACKIO_DIR": str(tmp_path / "trackio"), "HOME": str(tmp_path)}    # nothing written outside tmp_path
+    code = (f"{python_prelude}import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, {ROOT!r}); "
+            f"runpy.run_path(sys.argv[0], run_name='__main__')")                # python train.py ..., after the prelude
+    return subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "train.py"), "--out", str(tmp_path / "r"),
+                           "--solve-at", "0", "--n-prompts", "4", *map(str, args)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_report_to_records_every_csv_row_and_a_resume_continues_the_same_run(tmp_path):
+    for lib in ("tensorboard", "wandb", "trackio"):
+        pytest.importorskip(lib)
+    report = ["--report-to", "tensorboard,wandb,trackio"]
+    first = run(tmp_path, "--steps", 2, *report)
+    assert first.returncode == 0, first.stderr[-3000:]
+    os.replace(tmp_path / "r.pt", tmp_path / "r-step2.pt")
+    # on to step 4, then "killed" back to the step 2 checkpoint: steps 3 and 4 are trained again
+    assert run(tmp_path, "--steps", 4, "--resume", tmp_path / "r-step2.pt", *report).returncode == 0
+    again = run(tmp_path, "--steps", 5, "--resume", tmp_path / "r-step2.pt", *report)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = read_csv(tmp_path / "r.csv")
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]
+    same(tensorboard_history(str(tmp_path / "r.tensorboard")), rows)     # steps 3, 4 of the lost try purged
+    same(trackio_history(tmp_path / "trackio" / "nanorl.db"), rows)     # one run, resumed
+    with sqlite3.connect(tmp_path / "trackio" / "nanorl.db") as con:
+        assert con.execute("SELECT COUNT(DISTINCT run_id) FROM metrics").fetchone() == (1,)
+    same(wandb_history(str(tmp_path)), rows)                             # 3 offline runs, read in order
+
+
+def test_a_missing_tracker_costs_one_line_and_the_run_goes_on(tmp_path):
+    # wandb is installed here: sys.modules['wandb'] = None makes its import fail as an uninstalled one does
+    p = run(tmp_path, "--steps", 3, "--report-to", "wandb", python_prelude="import sys; sys.modules['wandb'] = None; ")
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = [line for line in p.stdout.splitlines() if line.startswith("--report-to")]
+    assert said == [f"--report-to wandb: off for this run (ModuleNotFoundError: import of wandb halted; None in sys.modules): "
+                    f"pip install wandb, log in or set its offline mode; the CSV has every row"], p.stdout
+    assert sorted(read_csv(tmp_path / "r.csv")) == [0, 1, 2, 3]
