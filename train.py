@@ -239,7 +239,7 @@ def train(cfg):
                              f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
                              f"env steps")
                     break
-            if server:                      # workers hear it (410) and exit in seconds, not a
+            if server:                                  # workers hear it (410) and exit in seconds, not a
                 server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
         except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
             if rank == 0:

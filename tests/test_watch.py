@@ -186,6 +186,6 @@ def test_a_missing_tracker_costs_one_line_and_the_run_goes_on(tmp_path):
     p = run(tmp_path, "--steps", 3, "--report-to", "wandb", python_prelude="import sys; sys.modules['wandb'] = None; ")
     assert p.returncode == 0, p.stderr[-3000:]
     said = [line for line in p.stdout.splitlines() if line.startswith("--report-to")]
-    assert said == [f"--report-to wandb: off for this run (ModuleNotFoundError: import of wandb halted; None in sys.modules): "
-                    f"pip install wandb, log in or set its offline mode; the CSV has every row"], p.stdout
+    assert said == ["--report-to wandb: off for this run (ModuleNotFoundError: import of wandb halted; None in sys.modules): "
+                    "pip install wandb, log in or set its offline mode; the CSV has every row"], p.stdout
     assert sorted(read_csv(tmp_path / "r.csv")) == [0, 1, 2, 3]
