@@ -4,8 +4,9 @@
 
     python train.py                                        # CartPole, REINFORCE, 1 CPU, seconds
     python train.py --config configs/cartpole_ppo.yaml     # PPO (GAE + critic)
-    torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
     python model.py runs/tiny-lm && python train.py --config configs/tiny_maxdigit.yaml  # tiny LLM, CPU
+    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300   # torchrun: 300 s, not 30, for a stopped rank to save
+    torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
     torchrun --nproc_per_node=8 train.py --config configs/countdown_qwen3_8b_lora.yaml   # 8 GPUs
 
 REINFORCE, PPO, GRPO and RLOO differ only in the advantage (algos.py); everything else is this
@@ -69,7 +70,8 @@ class Config:
     steps: int = arg(300, "policy updates at most")
     n_prompts: int = arg(32, "prompts per step over all ranks (control: initial states)")
     group_size: int = arg(1, "samples per prompt; GRPO and RLOO need >= 2")
-    inner_epochs: int = arg(1, "optimizer steps per batch (1: ratio is exactly 1, on-policy)")
+    inner_epochs: int = arg(1, "optimizer steps per batch (the ratio pi / pi_before_update is 1 in the "
+                               "first: sync, 1 is on-policy; async, stale batches get weights: update())")
     micro_batch: int = arg(0, "rows per forward/backward (0: the whole batch at once)")
     threads: int = arg(0, "torch threads (0: 1 for control tasks; for LLMs, cores / NanoRL processes here)")
     # the loss
@@ -186,7 +188,7 @@ def train(cfg):
             log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
         publish(policy, cfg, first, snapshots, server)
     row, t_loop = {}, time.time()
-    with stop_requests() as asked:
+    with StopRequests() as stop:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
                 row = {"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)}
@@ -195,24 +197,24 @@ def train(cfg):
                 log.info(f"before training (step 0): {task.metric} {row[task.metric]:.4g}")
                 log.samples(0, held_out)
             for step in range(first, cfg.steps + 1):
-                if all_sum(float(bool(asked))):         # every rank, once per step: all stop at a step's end
-                    raise StopRun
                 t0 = time.time()
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
                 share_cores(cfg)                        # workers may have started or stopped on this machine
                 # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
                 # rank's share of the step's prompts, which depend on (seed, step) only
                 if cfg.role == "trainer":
-                    batch, old_logp = async_batch(server, snapshots, policy, cfg, step, rank, world, asked)
+                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, rank, world, stop)
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
-                    batch = task.rollout(policy, prompts[rank::world], cfg.group_size).to(policy.device)
-                    old_logp = None
+                    with contextlib.suppress(StopRun), stop.at_once():   # generating changes nothing: drop it
+                        batch = task.rollout(policy, prompts[rank::world], cfg.group_size).to(policy.device)
+                    logp_behav = None
+                stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms
                 adv, target = estimator(batch, policy, **hparams)
                 # 3. update
-                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, old_logp)
+                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
                 # 4. publish (async), log, evaluate, checkpoint
                 if cfg.role == "trainer":
                     publish(policy, cfg, step + 1, snapshots, server)
@@ -248,9 +250,9 @@ def train(cfg):
                 torch.distributed.barrier()
             script = os.path.relpath(__file__)
             script = __file__ if script.startswith("..") else script
-            launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
-            why = "interrupted" if isinstance(e, StopRun) else f"stopped ({e})"
-            log.info(f"\n{why} after step {state['step']} of {cfg.steps}: saved {cfg.out}.pt; continue "
+            launcher = f"{TORCHRUN} --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
+            why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
+            log.info(f"\n{why}; saved {cfg.out}.pt as of step {state['step']} of {cfg.steps}; continue "
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
             raise
         finally:
@@ -388,28 +390,61 @@ class StopRun(Exception):
     """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
 
 
-@contextlib.contextmanager
-def stop_requests():
-    """Ctrl-C (SIGINT) or SIGTERM (sky cancel: to every rank) stops the loop after the step: each rank learns
-    it from one all-reduce per step, all save and exit together (raising at once left weights half-stepped,
-    or a rank gone while another sat in a collective: no checkpoint). Another signal over 2 s later quits at
-    once, unsaved (sooner: the same Ctrl-C, forwarded by torchrun). -> [time of the first], empty: none"""
-    asked = []
+# torchrun forwards Ctrl-C / SIGTERM to every rank, then SIGKILLs them after its shutdown timeout: 30 s by
+# default, this variable's with torch >= 2.12 (2.11 keeps 30 s). 300 s: a micro-batch and a save, with room
+TORCHRUN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun"
 
-    def ask(signum, frame):
-        if not asked:
-            asked.append(time.monotonic())
+
+class StopRequests:
+    """Ctrl-C (SIGINT) or SIGTERM (sky cancel, a spot notice: torchrun sends it to every rank) stops the run
+    within seconds, not after a step that may take minutes: generation is dropped at once (at_once: it changes
+    nothing), the update before its next micro-batch of the first epoch (no optimizer step taken yet), and the
+    last finished step is saved, exactly. Ranks agree (agree(): a scalar all-reduce) before anything changes,
+    so none is left in a collective (raising at once elsewhere left weights half-stepped, or a rank gone while
+    another sat in a collective: no checkpoint). Another signal over 2 s later quits at once, unsaved (sooner:
+    the same Ctrl-C, forwarded by torchrun). Falsy until asked."""
+
+    def __init__(self):
+        self.asked, self.generating = 0.0, False       # asked: time.monotonic() of the first signal
+
+    def __bool__(self):
+        return self.asked > 0
+
+    def __call__(self, signum, frame):                  # the signal handler
+        if not self:
+            self.asked = time.monotonic()
             # os.write, not print(): the main thread may be inside print() when the signal comes
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step, with a checkpoint (send "
-                        f"it again to quit at once, unsaved)\n".encode())
-        elif time.monotonic() - asked[0] > 2:
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping, saving the last finished step (send it "
+                        f"again to quit at once, unsaved)\n".encode())
+            if self.generating:
+                raise StopRun
+        elif time.monotonic() - self.asked > 2:
             raise KeyboardInterrupt
-    old = {sig: signal.signal(sig, ask) for sig in (signal.SIGINT, signal.SIGTERM)
-           if threading.current_thread() is threading.main_thread()}   # only it may set signal handlers
-    try:
-        yield asked
-    finally:
-        for sig, handler in old.items():
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """Inside, a stop request raises StopRun where the code is: only for work that changes nothing and
+        calls no collective (a rank leaving one would hang the others)."""
+        self.generating = True
+        try:
+            if self:
+                raise StopRun
+            yield
+        finally:
+            self.generating = False
+
+    def agree(self, where):
+        """Every rank learns whether any was asked to stop, and all raise StopRun(where) together."""
+        if all_sum(float(bool(self))):
+            raise StopRun(where)
+
+    def __enter__(self):                                # only the main thread may set signal handlers
+        self.old = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)
+                    if threading.current_thread() is threading.main_thread()}
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.old.items():
             signal.signal(sig, handler)
 
 
@@ -595,12 +630,12 @@ def publish(policy, cfg, version, snapshots, server):
         server.publish(version, snap, files)
 
 
-def async_batch(server, snapshots, policy, cfg, version, rank, world, asked):
+def async_batch(server, snapshots, policy, cfg, version, rank, world, stop):
     """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
     recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
-    --resume), dropped and counted. -> (batch, old_logp per micro-batch, or None: sampled by these weights)"""
+    --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
     while True:
-        batches = wait_for_batches(server, world, version, cfg.batch_timeout, asked) if rank == 0 else [None]
+        batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if rank == 0 else [None]
         got = batches[:1]
         if world > 1:                                   # ranks stop together instead of hanging
             torch.distributed.scatter_object_list(got, batches, src=0)   # only rank 0's list is read
@@ -612,14 +647,15 @@ def async_batch(server, snapshots, policy, cfg, version, rank, world, asked):
                 server.count("dropped_no_snapshot", world)
                 server.count("used", -world)
             continue
-        return batch, None if batch.version == version else old_logprobs(policy, batch, snap, cfg.micro_batch)
+        stale = batch.version != version
+        return batch, behav_logprobs(policy, batch, snap, cfg.micro_batch) if stale else None
 
 
-def wait_for_batches(server, n, version, timeout, asked):
+def wait_for_batches(server, n, version, timeout, stop):
     """Rank 0: n batches, or n times a TimeoutError after `timeout` s, or a StopRun once a stop is asked
     (Ctrl-C, SIGTERM): waiting in short slices, so that a stop never waits out --batch-timeout."""
     deadline = time.monotonic() + timeout
-    while not asked:
+    while not stop:
         try:
             return server.next_batches(n, version, min(1.0, max(deadline - time.monotonic(), 0.0)))
         except TimeoutError:                            # the usable batches it took are back in the queue
@@ -627,7 +663,7 @@ def wait_for_batches(server, n, version, timeout, asked):
                 return [TimeoutError(f"no worker batch within --batch-timeout {timeout:g} s: start workers "
                                      f"(--role rollout --trainer-url http://THIS_HOST:PORT), or raise "
                                      f"--batch-timeout")] * n
-    return [StopRun()] * n
+    return [StopRun(f"while waiting for step {version}'s worker batches")] * n
 
 
 @torch.no_grad()
@@ -637,7 +673,7 @@ def score(policy, batch, micro_batch):
 
 
 @torch.no_grad()
-def old_logprobs(policy, batch, snapshot, micro_batch):
+def behav_logprobs(policy, batch, snapshot, micro_batch):
     """Swap in the weights that sampled the batch, score it, restore the current weights bit for bit."""
     current = {n: p.clone() for n, p in trainable(policy).items()}   # under no_grad: no graph to detach
     try:
@@ -664,38 +700,46 @@ def aggregate(x, mask, agg, denom):
     return masked_sum(x, mask) / denom
 
 
-def policy_loss(logp, old_logp, adv, mask, clip_low, clip_high, agg, denom):
+def policy_loss(logp, logp_prox, adv, mask, clip_low, clip_high, agg, denom):
     """PPO's clipped surrogate (Schulman 2017); at ratio 1, REINFORCE's -(A logp). [mb, T] -> (loss, ratio)"""
-    ratio = torch.exp(logp - old_logp)
+    ratio = torch.exp(logp - logp_prox)
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
-def update(policy, opt, batch, adv, target, cfg, max_len, old_logp=None):
-    """inner_epochs optimizer steps on a batch, micro-batched, gradients summed over ranks. old_logp: the
-    sampler's log-probs (async) or None (sync). Epoch 0's own, detached, centre the clip (ratio 1); stale
-    tokens weigh min(1, pi_now/pi_then) (V-trace; a clip at pi_then cut ~70% of async CartPole's gradient)"""
+def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=None):
+    """inner_epochs optimizer steps on a batch, micro-batched, gradients summed over ranks. Log-probs [mb, T]:
+    the sampler's (batch.logp: logp_gap, --tis-cap); logp_behav, the trainer's under the weights that sampled
+    the batch (async: a snapshot; sync, None: these); logp_prox, these before the update. Per token:
+        loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
+        A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
+    min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
+    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
+    stop: agreed on before each micro-batch of epoch 0 (StopRun: no optimizer step taken yet)."""
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
-    old = []                                            # the weights' before this update, per micro-batch
-    behaviour = old_logp or old                         # the sampler's: sync, these very weights
+    logp_prox = []                                      # per micro-batch
+    logp_behav = logp_behav or logp_prox
     ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
     skipped = 0
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
+            if epoch == 0 and stop is not None:         # every rank (stop is falsy until asked); no step yet
+                stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
             if epoch == 0:
-                old.append(logp.detach())
-            a = adv[s] * torch.exp(old[i] - behaviour[i]).clamp(max=1.0)  # 1 unless stale (IMPALA-style cap)
+                logp_prox.append(logp.detach())
+            a = adv[s] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
-                a = a * torch.exp(behaviour[i] - mb.logp).clamp(max=cfg.tis_cap)
-            pg, ratio = policy_loss(logp, old[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg, denom)
+                a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
+            pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg,
+                                    denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
-            gap = mb.logp - behaviour[i]                # sampler's minus ours: 0 with the same kernels
+            gap = mb.logp - logp_behav[i]               # sampler's minus ours: 0 with the same kernels
             per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high),
                        "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
             if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)

@@ -20,7 +20,7 @@ from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer
 from test_dist import free_port
 from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
-from train import (Config, batch_limits, fingerprint, make_task, old_logprobs, rollout_worker, score, trainable,
+from train import (Config, batch_limits, fingerprint, make_task, behav_logprobs, rollout_worker, score, trainable,
                    validate)
 
 TOKEN = "async-test-token"
@@ -143,7 +143,7 @@ def test_llm_old_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(tin
     with torch.no_grad():
         for p in trainable(policy).values():
             p.add_(0.05 * torch.randn_like(p))                                    # the trainer moved on
-    old = torch.cat(old_logprobs(policy, batch, snaps.get(1), micro_batch=4))
+    old = torch.cat(behav_logprobs(policy, batch, snaps.get(1), micro_batch=4))
     assert torch.equal(old, torch.cat(score(direct, batch, 4)))
     gap = (batch.logp - old).abs()[batch.mask.bool()]                              # KV-cached decode vs full forward
     assert 0 < gap.max() < 1e-4 and batch.mask.sum() >= 16
@@ -328,7 +328,7 @@ def test_old_logprobs_swap_in_the_snapshot_and_restore_bit_for_bit():
         for p in policy.parameters():
             p.add_(0.1 * torch.randn_like(p))                         # the trainer moved on
     current = {n: p.clone() for n, p in policy.state_dict().items()}
-    old = old_logprobs(policy, batch, snaps.get(1), micro_batch=2)
+    old = behav_logprobs(policy, batch, snaps.get(1), micro_batch=2)
     assert all(torch.equal(current[n], p) for n, p in policy.state_dict().items())   # restored exactly
     assert torch.allclose(torch.cat(old) * batch.mask, batch.logp, atol=1e-6)  # version 1's numbers, not the current ones
     now = torch.cat([policy.logprobs(batch[s])[0] for s in batch.micro_batches(2)]).detach()

@@ -251,9 +251,9 @@ def test_micro_batches_that_split_groups_give_the_one_backward_gradient(tiny, gr
 
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_scoring_is_bit_identical_to_the_update_forward_under_the_same_weights(tiny, grad_ckpt):
-    """A worker's score(), the trainer's old_logprobs() under the snapshot, and update()'s own forward (with
+    """A worker's score(), the trainer's behav_logprobs() under the snapshot, and update()'s own forward (with
     grad, in training mode) slice micro-batches alike and compute the same numbers, bit for bit."""
-    from train import old_logprobs, score, trainable
+    from train import behav_logprobs, score, trainable
     pol = policy(tiny, grad_ckpt=grad_ckpt)
     batch = mixed_batch(pol)
     worker = score(pol, batch, 5)
@@ -261,7 +261,7 @@ def test_scoring_is_bit_identical_to_the_update_forward_under_the_same_weights(t
     with torch.no_grad():
         for p in trainable(pol).values():                                 # the trainer has moved on since
             p.add_(0.01)
-    trainer = old_logprobs(pol, batch, snapshot, 5)
+    trainer = behav_logprobs(pol, batch, snapshot, 5)
     with torch.no_grad():
         for n, p in trainable(pol).items():
             p.copy_(snapshot[n])

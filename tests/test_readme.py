@@ -14,12 +14,13 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 
 
 def commands():
-    """Every `python train.py ...` and `torchrun ... train.py ...` in a code line or a table cell's backticks."""
+    """Every `python train.py ...` and `torchrun ... train.py ...` in a code line or a table cell's backticks
+    (after environment variables: VAR=value torchrun ...)."""
     found = []
     for text in re.findall(r"`([^`\n]+)`", README) + [line[4:] for line in README.splitlines() if line.startswith("    ")]:
         for part in text.split("&&"):
             part = part.split("  #")[0].strip()
-            if re.match(r"(python train\.py|torchrun .*train\.py)(\s|$)", part):
+            if re.match(r"([A-Z_]+=\S+ )*(python train\.py|torchrun .*train\.py)(\s|$)", part):
                 found.append(part)
     return sorted(set(found))
 

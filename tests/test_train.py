@@ -28,10 +28,10 @@ def setup(algo="ppo", seed=0, **kw):
     return cfg, task, policy, batch, adv, target
 
 
-def grads_after(policy, cfg, batch, adv, target, max_len=500, old_logp=None):
+def grads_after(policy, cfg, batch, adv, target, max_len=500, logp_behav=None):
     policy = copy.deepcopy(policy)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
-    stats = update(policy, opt, batch, adv, target, cfg, max_len, old_logp)
+    stats = update(policy, opt, batch, adv, target, cfg, max_len, logp_behav)
     return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats
 
 
@@ -51,11 +51,49 @@ def test_a_stale_batch_weighs_each_sample_by_pi_now_over_pi_then_at_most_1_and_c
     cfg, task, policy, batch, adv, target = setup("reinforce")
     now = torch.cat([policy.logprobs(batch)[0].detach()])                # [N, T]
     then = now + torch.linspace(-1, 1, now.numel()).view_as(now) * batch.mask   # pi_then above and below pi_now
-    stale, stats = grads_after(policy, cfg, batch, adv, target, old_logp=[then])
+    stale, stats = grads_after(policy, cfg, batch, adv, target, logp_behav=[then])
     weighted, _ = grads_after(policy, cfg, batch, adv * torch.exp(now - then).clamp(max=1), target)
     assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stale, weighted))
     assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(stale, grads_after(policy, cfg, batch, adv, target)[0]))
+
+
+class TwoActions(torch.nn.Module):
+    """A policy of one row of logits theta over 2 actions, the same at every step (states unused): small enough
+    to work its update out by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.theta = torch.nn.Parameter(torch.zeros(2))
+
+    def logprobs(self, batch, entropy=False, entropy_grad=False):
+        logp = torch.log_softmax(self.theta, 0)[batch.actions]                         # [N, T]
+        return logp, torch.zeros_like(logp)
+
+    def param_groups(self):
+        return {"actor": [self.theta]}
+
+
+def test_a_stale_batch_over_two_epochs_gives_the_hand_computed_loss():
+    """Async, stale, --inner-epochs 2, where the clip's centre matters. One row, actions [0, 1], A = [+1, -1];
+    theta = 0, so pi_prox = [0.5, 0.5]; pi_behav (the snapshot's) = [0.25, 0.8].
+    Epoch 0: A' = A min(1, pi_prox / pi_behav) = [1 min(1, 2), -1 min(1, 0.625)] = [1, -0.625]; r = 1; grad of
+    -(A'_0 log pi(0) + A'_1 log pi(1)) / 2 = -([.5, -.5] + .625 [-.5, .5]) / 2 = [-.40625, .40625]. Adam's first
+    step moves theta by lr * sign(grad) = 0.5: theta = [.5, -.5], pi = [sigmoid(1), sigmoid(-1)] = [.731, .269].
+    Epoch 1: r = pi / pi_prox = [1.4621, 0.5379]; clipped to [0.8, 1.2]: min(1.4621 x 1, 1.2 x 1) = 1.2 and
+    min(0.5379 x -0.625, 0.8 x -0.625) = -0.5, so loss = -(1.2 - 0.5) / 2 = -0.35.
+    (Centred on pi_behav the ratio would be pi / pi_behav; untruncated, A'_0 = 2 and the loss -0.95.)"""
+    from core import Batch, Trajectory
+    row = Trajectory(states=torch.zeros(2), actions=torch.tensor([0, 1]), logp=torch.zeros(2),
+                     rewards=torch.zeros(2), mask=torch.ones(2))
+    batch = Batch.from_rows([row], 1)
+    policy = TwoActions()
+    cfg = Config(inner_epochs=2, clip_eps=0.2, loss_agg="token", max_grad_norm=0.0, lr=0.5)
+    behav = torch.tensor([[0.25, 0.8]]).log()                                          # [1, 2]
+    stats = update(policy, Adam([[policy.theta]], lr=0.5), batch, torch.tensor([[1.0, -1.0]]), None, cfg, 2,
+                   [behav])
+    assert stats["loss"] == pytest.approx(-0.35, abs=1e-6)
+    assert stats["clip_frac"] == pytest.approx(1.0)                                    # both tokens clipped
 
 
 @pytest.mark.parametrize("agg", ["token", "seq", "constant"])
