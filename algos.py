@@ -2,7 +2,7 @@
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
 pure (writes nothing onto the batch), zero wherever batch.mask is zero. Hyper-parameters bind by
-name from the Config. A new algorithm is one function and one entry in ESTIMATORS.
+name from the Config. A new algorithm is one function and its entries in the three registries at the end.
 """
 import torch
 
@@ -39,8 +39,7 @@ def _grouped_rewards(batch):
 def _per_token(A, batch):
     """[n_prompts, G] sequence advantages -> [N, T], broadcast over each row's masked steps.
     A group whose rewards are all equal gets exactly 0 (not a float residue of mean - x)."""
-    R = batch.grouped_rewards()                                              # [n_prompts, G]
-    A = torch.where((R == R[:, :1]).all(1, keepdim=True), 0.0, A)
+    A = torch.where(batch.equal_groups()[:, None], 0.0, A)
     return A.reshape(-1, 1) * batch.mask                                     # [N, T]
 
 
@@ -60,7 +59,9 @@ def rloo(batch, policy):
     return _per_token(R - (R.sum(1, keepdim=True) - R) / (G - 1), batch), None
 
 
+# the three registries train.py reads: a new algorithm is its function here under its --algo name, and that
+# name in GROUP_ESTIMATORS if it compares a group's samples, in NEEDS_CRITIC if it needs a value head
 ESTIMATORS = dict(reinforce=reinforce, reinforce_baseline=reinforce_baseline, ppo=ppo,
                   grpo=grpo, rloo=rloo)
-GROUP_ESTIMATORS = {"grpo", "rloo"}
-NEEDS_CRITIC = {"ppo"}
+GROUP_ESTIMATORS = {"grpo", "rloo"}   # need --group-size >= 2; the only ones --max-tool-calls may use
+NEEDS_CRITIC = {"ppo"}                # get a critic (MLPPolicy's second trunk); refused for LLM tasks

@@ -80,6 +80,11 @@ class Batch:
     def grouped_rewards(self):
         return self.rewards.sum(1).view(self.n_prompts, self.group_size)    # [n_prompts, G]
 
+    def equal_groups(self):
+        """[n_prompts] bool: groups whose rewards are all equal (exactly 0 advantage: nothing to compare)."""
+        R = self.grouped_rewards()                                           # [n_prompts, G]
+        return (R == R[:, :1]).all(1)
+
     def tool_replies(self):
         """Tool replies inserted in each row: the runs of 0s between runs of 1s in its mask."""
         starts = self.mask.diff(prepend=torch.zeros_like(self.mask[:, :1])) > 0       # [N, T] a run begins

@@ -5,6 +5,7 @@ of a group starts from the same prompt (the same initial state, for control).
 """
 import ast
 import hashlib
+import inspect
 import itertools
 import json
 import operator
@@ -254,8 +255,9 @@ class LLMTask:
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
-    # prompts explaining it; it writes "34 * 18 =" unasked. tool: str -> str, yours may call anything.
-    tool, tool_stop = staticmethod(calculator), "="
+    # prompts explaining it; it writes "34 * 18 =" unasked. tool: a plain function str -> str (a subclass:
+    # `tool = my_function`), yours may call anything.
+    tool, tool_stop = calculator, "="
     tool_hint = " (A calculator: write an expression and =, like 12*34=, and it writes the value.)"
 
     def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1,
@@ -263,6 +265,13 @@ class LLMTask:
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
         self.pass_k, self.max_tool_calls = pass_k, max_tool_calls
         self.tools = self if max_tool_calls else None       # what the sampler gets: stop and reply()
+        self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
+        if self.tools:                                      # a wrong signature would turn every reply into an
+            try:                                            # error (reward 0, training on): fail here instead
+                inspect.signature(self.tool).bind("12*34")
+            except TypeError:
+                raise ValueError(f"{type(self).__name__}.tool{inspect.signature(self.tool)} cannot be called "
+                                 f"as tool(text) -> str: make it a plain function of one argument") from None
         self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
         self.eval_set = self.eval_problems()
         if len(self.eval_set) < max(eval_episodes, 10):
@@ -421,5 +430,6 @@ class Multiply(Addition):
     op = "*"
 
 
+# --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
          "addition": Addition, "multiply": Multiply}

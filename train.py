@@ -172,21 +172,18 @@ def train(cfg):
              else {"step": 0, "env_steps": 0, "run_id": secrets.token_hex(8)})
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
+    snapshots = Snapshots(cfg.max_staleness)
+    server = serve(cfg, task, policy, world) if cfg.role == "trainer" and rank == 0 else None
+    if server:                                          # listening before a file is written: a taken port
+        log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")   # leaves no CSV without a .pt
+    if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
+        publish(policy, cfg, first, snapshots, server)
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
-    snapshots, server, per_rank = Snapshots(cfg.max_staleness), None, cfg.n_prompts // world
-    if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
-        if rank == 0:
-            server = TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness,
-                                   world, cfg.serve_host, cfg.serve_port, lease_timeout=cfg.lease_timeout,
-                                   lease_life=cfg.batch_timeout,
-                                   limits=batch_limits(cfg, task, policy, per_rank)).start()
-            log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
-        publish(policy, cfg, first, snapshots, server)
     row, t_loop = {}, time.time()
     with StopRequests() as stop:
         try:
@@ -231,7 +228,7 @@ def train(cfg):
                 log.log(row)
                 log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
                              (time.time() - t_loop) / (step - first + 1))
-                log.samples(step, held_out, group_samples(policy, batch, adv) if held_out else [])
+                log.samples(step, held_out, group_samples(policy, batch, adv))  # made only if written
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
                 if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
@@ -248,8 +245,7 @@ def train(cfg):
                 save_checkpoint(cfg, policy, opt, {**state, "finished": ""})
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
-            script = os.path.relpath(__file__)
-            script = __file__ if script.startswith("..") else script
+            script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
             launcher = f"{TORCHRUN} --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
             log.info(f"\n{why}; saved {cfg.out}.pt as of step {state['step']} of {cfg.steps}; continue "
@@ -335,8 +331,9 @@ def validate(cfg, world=1):
         (cfg.resume and not os.path.isfile(cfg.resume),
          f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
         (written and not cfg.resume and cfg.role != "rollout",
-         f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: continue that "
-         f"run with --resume {cfg.out}.pt, or pick another --out (or none: a fresh name)")]
+         f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: "
+         + (f"continue that run with --resume {cfg.out}.pt, or " if cfg.out + ".pt" in written else "")
+         + "pick another --out (or none: a fresh name)")]
     errors += [message for broken, message in rules if broken]
     if errors:
         raise ValueError("\n".join(errors))
@@ -456,9 +453,11 @@ def evaluate(task, policy, cfg, log, rank, world):
 
 
 def group_samples(policy, batch, adv):
-    """This rank's first group as samples.jsonl records, made as they are written (rank 0): the G
-    completions of one prompt beside their rewards and advantages, GRPO's comparison in text. batch [N, T]."""
-    for i in range(batch.group_size):
+    """This rank's first group whose rewards differ (else its first; equal rewards, advantage 0, compare
+    nothing) as samples.jsonl records, made as they are written (rank 0): the G completions of one prompt
+    beside their rewards and advantages, GRPO's comparison in text. batch [N, T]."""
+    G, g = batch.group_size, int((~batch.equal_groups()).float().argmax())  # argmax: the first, 0 if none
+    for i in range(g * G, g * G + G):
         trained = batch.mask[i].nonzero()[:, 0]          # the completion's sampled positions
         start, end = int(trained[0]), int(trained[-1]) + 1
         yield sample_record(policy.decode, policy.decode(batch.states[i, :start].tolist()),
@@ -522,6 +521,19 @@ def make_optimizer(cfg, policy):
     if cfg.is_llm:
         return torch.optim.Adam([{"params": g} for g in groups], lr=cfg.lr, fused=True)
     return Adam(groups, lr=cfg.lr)
+
+
+def serve(cfg, task, policy, world):
+    """--role trainer, rank 0: the server that publishes weights and takes the workers' batches."""
+    per_rank = cfg.n_prompts // world                   # prompts in a worker's batch: one rank's share
+    try:
+        return TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness,
+                             world, cfg.serve_host, cfg.serve_port,
+                             lease_timeout=cfg.lease_timeout, lease_life=cfg.batch_timeout,
+                             limits=batch_limits(cfg, task, policy, per_rank)).start()
+    except OSError as e:                                # asyncio's 20-line traceback, as one line
+        raise ValueError(f"--serve-port {cfg.serve_port}: cannot listen ({e.strerror}): if the port is "
+                         f"taken, pick another, or 0 for any free port") from None
 
 
 def rollout_worker(cfg, task, threads):
@@ -686,7 +698,7 @@ def behav_logprobs(policy, batch, snapshot, micro_batch):
 def batch_stats(batch, tools):
     """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
     R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
-    dead = (R == R[:, :1]).all(1).sum().item() if batch.group_size > 1 else 0
+    dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
     per_row = {"reward": R, "completion_len": batch.mask.sum(1), "truncated_frac": batch.truncated,
                **({"tool_calls": replies, "tool_frac": replies > 0} if tools else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
@@ -863,9 +875,14 @@ def read_yaml(path):
                          f"{sorted(set(d) - set(types)) if isinstance(d, dict) else d!r}")
     flags = []
     for k, v in d.items():
-        if v is None or isinstance(v, (list, dict)) or isinstance(v, bool) != (types[k] is bool):
-            raise ValueError(f"{path}: {k}: {v!r} is not a {types[k].__name__}")
-        flags += [flag(k if v else "no_" + k)] if isinstance(v, bool) else [flag(k), str(v)]
+        t = types[k]                                    # t(str(v)): argparse's own conversion, tried here so
+        try:                                            # that `lr: abc` names the file and the key
+            if v is None or isinstance(v, (list, dict)) or isinstance(v, bool) != (t is bool):
+                raise ValueError
+            t(str(v))
+        except ValueError:
+            raise ValueError(f"{path}: {k}: {v!r} is not of type {t.__name__}") from None
+        flags += [flag(k if v else "no_" + k)] if t is bool else [flag(k), str(v)]
     return flags
 
 

@@ -4,6 +4,7 @@ import contextlib
 import csv
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -194,6 +195,25 @@ def test_bad_files_give_one_line_errors(tmp_path):
         one_line_error(run(TRAIN, "--task", "maxdigit", "--algo", "grpo", "--group-size", 2, "--model",
                            "no/such/folder", cwd=tmp_path, env={**ENV, "HF_HUB_OFFLINE": offline}),
                        "--model no/such/folder: no local folder")
+
+
+def test_a_taken_port_is_one_line_and_leaves_no_csv_to_resume(tmp_path):
+    """Another process holds the port: one line naming it and the flag, not asyncio's 20-line traceback, and no
+    run.csv (it once stayed, and the next run of --out run was told to --resume run.pt, which never existed)."""
+    with socket.create_server(("0.0.0.0", 0)) as held:
+        port = held.getsockname()[1]
+        p = run(TRAIN, "--role", "trainer", "--serve-port", port, "--out", "run", "--steps", 1, cwd=tmp_path,
+                env={**ENV, "NANORL_TOKEN": "t"})
+    one_line_error(p, f"error: --serve-port {port}: cannot listen (")
+    assert "address already in use): if the port is taken, pick another, or 0 for any free port" in p.stderr
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "run.csv").write_text("step\n")                        # a CSV without its checkpoint
+    with pytest.raises(ValueError, match=r"run.csv exist already, and nothing is overwritten: pick another --out"):
+        validate(Config(out=str(tmp_path / "run")))
+    (tmp_path / "run.pt").write_text("")                                # with one, the hint is to resume it
+    with pytest.raises(ValueError, match=r"run.csv and \S+run.pt exist already, and nothing is overwritten: "
+                                         r"continue that run with --resume \S+run.pt, or pick another --out"):
+        validate(Config(out=str(tmp_path / "run")))
 
 
 @pytest.mark.parametrize("typo,fix", [("--confg", "--config"), ("--group_size", "--group-size"),

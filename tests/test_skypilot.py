@@ -121,6 +121,17 @@ def test_requirements_llm_admits_the_transformers_vllm_pins():
         f"requirements-llm.txt has {req}; vllm==0.33.0 needs transformers>=5.16.1,<5.21"
 
 
+def test_requirements_admit_every_torch_the_install_lines_pin():
+    """Every torch==X a launch file, the README or CI installs (2.14.0 on the GPU nodes: vLLM 0.33's pin) is in
+    requirements.txt's range: one outside it makes that pip line unsatisfiable (`torch>=2.11,<2.14` did)."""
+    from packaging.requirements import Requirement
+    req = next(Requirement(line.split("#")[0].strip()) for line in open(os.path.join(ROOT, "requirements.txt"))
+               if line.startswith("torch"))
+    texts = [open(f).read() for f in [*FILES, os.path.join(ROOT, "README.md"), os.path.join(ROOT, ".ci", "run")]]
+    pins = set(re.findall(r"torch==([0-9.]+[0-9])", "".join(texts)))
+    assert {"2.11.0", "2.13.0", "2.14.0"} <= pins and all(req.specifier.contains(v) for v in pins), (req, pins)
+
+
 @pytest.mark.parametrize("path", FILES, ids=os.path.basename)
 def test_every_train_py_line_passes_validate_and_the_roles_agree(path, monkeypatch):
     monkeypatch.chdir(ROOT)

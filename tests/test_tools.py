@@ -32,6 +32,38 @@ def test_a_call_is_an_expression_and_equals_and_the_budget_counts_replies():
     assert task.reply("1+1=") == "<result>error: ZeroDivisionError: division by zero</result>"
 
 
+def shout(expr):
+    return expr.strip() + "!"
+
+
+class Shouting(Multiply):
+    """As the README says a fork adds a tool: a plain function set as the task's tool."""
+    tool = shout
+
+
+def test_a_plain_function_set_as_a_tasks_tool_is_called_with_the_expression_alone():
+    # bound as a method, it got (self, expr): every reply was '<result>error: TypeError ...' and the reward 0
+    assert Shouting(eval_episodes=2, max_tool_calls=1).reply("So 34 * 18 =") == "<result>34 * 18!</result>"
+    assert Multiply(eval_episodes=2, max_tool_calls=1).reply("34*18=") == "<result>612</result>"   # the default
+
+
+class TwoArguments(Multiply):
+    tool = staticmethod(lambda expr, base: expr)
+
+
+class AMethod(Multiply):
+    def tool(self, expr):
+        return expr
+
+
+@pytest.mark.parametrize("task", [TwoArguments, AMethod])
+def test_a_tool_that_cannot_take_the_expression_fails_when_the_task_is_built_with_tools_on(task):
+    with pytest.raises(ValueError, match=rf"^{task.__name__}\.tool\((expr, base|self, expr)\) cannot be called as "
+                                         r"tool\(text\) -> str: make it a plain function of one argument"):
+        task(eval_episodes=2, max_tool_calls=1)
+    task(eval_episodes=2, max_tool_calls=0)                              # tools off: never called, not checked
+
+
 class Scripted:
     """A tools object (tasks.LLMTask's protocol: tool_stop, reply(text)) that replies `reply` whenever a
     completion's text since its last call contains `stop`, and records the texts it was asked about. A test

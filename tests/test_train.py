@@ -1,6 +1,7 @@
 """The update's invariants, the loop's behaviour (solves, resumes exactly), and every bad input."""
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -210,12 +211,13 @@ def test_yaml_presets_and_flags(tmp_path):
     y.write_text("algo: grpo\ngroup_sise: 4\n")
     with pytest.raises(ValueError, match=r"unknown: \['group_sise'\]"):
         read_yaml(str(y))
-    y.write_text("steps: ten\n")
-    with pytest.raises(ValueError, match="argument --steps: invalid int value: 'ten'"):
-        parse_config(["--config", str(y)])
-    y.write_text("lora: 1\n")
-    with pytest.raises(ValueError, match="lora: 1 is not a bool"):
-        read_yaml(str(y))
+    # a value of the wrong type names the file and the key (argparse's message named only --lr)
+    for line, why in [("lr: abc", "lr: 'abc' is not of type float"), ("steps: ten", "steps: 'ten' is not of type int"),
+                      ("steps: 2.5", "steps: 2.5 is not of type int"), ("lora: 1", "lora: 1 is not of type bool"),
+                      ("model: [a, b]", "model: ['a', 'b'] is not of type str"), ("lr:", "lr: None is not of type")]:
+        y.write_text(line + "\n")
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(y))}: {re.escape(why)}"):
+            parse_config(["--config", str(y)])
 
 
 def test_cli_prints_the_error_not_a_traceback():

@@ -8,12 +8,14 @@ import sqlite3
 import struct
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 import train  # noqa: E402
+from core import Batch, Trajectory  # noqa: E402
 from model import make_tiny_lm  # noqa: E402
 from tasks import maxdigit_reward, sample_record  # noqa: E402
 
@@ -53,15 +55,18 @@ def test_samples_are_the_scored_ids_as_text_with_rewards_and_advantages(tmp_path
         assert r["reward"] == maxdigit_reward(r["prompt"], r["completion"], answer)
         if r["kind"] == "eval":
             assert r["prompt"] in held_out and r["correct"] == (r["reward"] == 1.0)
-    for step in (2, 4):                                 # the group is the batch's first: the ids that were scored
+    for step in (2, 4):                                 # the first group whose rewards differ: the ids scored
         batch, group = batches[step], [r for r in records if r["step"] == step and r["kind"] == "train"]
-        R = batch.rewards.sum(1)[:4]                                                # [G]
+        R4 = batch.rewards.sum(1).view(4, 4)                                        # [n_prompts, G]
+        g = next((g for g in range(4) if len(set(R4[g].tolist())) > 1), 0)
+        R = R4[g]                                                                   # [G]
         adv = (R - R.mean()) / (R.std() + 1e-6) if R.std() > 0 else torch.zeros(4)  # GRPO, worked out here
-        for i, r in enumerate(group):
+        for i, r in zip(range(4 * g, 4 * g + 4), group):
             ids = batch.states[i][batch.mask[i] > 0].tolist()                       # no tool: all sampled
             assert r["completion"] == "".join(VOCAB[t] for t in ids)
             assert r["prompt"] == "".join(VOCAB[t] for t in batch.states[i][:len(r["prompt"])].tolist())
-            assert r["reward"] == R[i].item() and r["advantage"] == pytest.approx(adv[i].item(), abs=1e-6)
+            assert r["reward"] == R[i - 4 * g].item()
+            assert r["advantage"] == pytest.approx(adv[i - 4 * g].item(), abs=1e-6)
     # under each evaluation's step line: its first right and first wrong held-out completion, if any
     for step in (0, 2, 4):
         evals = [r for r in records if r["step"] == step and r["kind"] == "eval"]
@@ -70,6 +75,23 @@ def test_samples_are_the_scored_ids_as_text_with_rewards_and_advantages(tmp_path
             line = [f"  {'right' if right else 'wrong'}: {r['prompt']!r} -> {r['completion']!r}" for r in shown]
             assert all(x in out.splitlines() for x in line), (line, out[-2000:])
     assert "  wrong: " in out                          # a random tiny LM is wrong somewhere at step 0
+
+
+def test_the_training_group_shown_is_one_whose_rewards_differ():
+    """4 groups of 2, rewards [1, 1], [0, 1], [1, 0], [0, 0]: the second is shown (the first compares nothing,
+    advantage 0 all through: what step 5 of a SmolLM2 run showed, 8 identical answers); none differing, the
+    first. Token i decodes as chr(ord('a') + i); rows are 'p' then their own letter."""
+    decode = lambda ids: "".join(chr(ord("a") + i) for i in ids)
+    rows = [Trajectory(states=torch.tensor([15, i]), actions=torch.tensor([15, i]), logp=torch.zeros(2),
+                       rewards=torch.tensor([0.0, r]), mask=torch.tensor([0.0, 1])) for i, r in enumerate(
+                           [1.0, 1, 0, 1, 1, 0, 0, 0])]
+    batch, policy = Batch.from_rows(rows, 2), types.SimpleNamespace(decode=decode)
+    adv = torch.arange(8.0)[:, None] * batch.mask                     # any [N, T]: read at the completion
+    shown = list(train.group_samples(policy, batch, adv))
+    assert [(r["prompt"], r["completion"], r["reward"], r["advantage"]) for r in shown] == [
+        ("p", "c", 0.0, 2.0), ("p", "d", 1.0, 3.0)]
+    same = Batch.from_rows(rows[:2] + rows[6:], 2)                    # [1, 1], [0, 0]: the first
+    assert [r["completion"] for r in train.group_samples(policy, same, adv[:4])] == ["a", "b"]
 
 
 VOCAB = ["", "", ""] + list("0123456789 =,")          # make_tiny_lm's ids: 3 specials (decoded as ''), then chars
