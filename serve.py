@@ -27,6 +27,10 @@ from core import Batch
 
 MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
 HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
+# bytes an answered client that never showed the token may still send: discarding runs under the trainer's
+# GIL, and 256 connections streaming junk for LINGER_S could keep the loop busy. 64 KiB is one read, and more
+# than an honest worker with a wrong token sends: its first call, GET /info, has no body, so its 403 arrives
+STRANGER_LINGER = 1 << 16
 CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
 POLL_S = 0.02                                       # s between a waiting lease's looks for room
 
@@ -102,9 +106,9 @@ def batch_from_bytes(data, limits):
                              f"this run takes {P} prompts x {G} samples")
         if dtype.is_floating_point and not torch.isfinite(t[f]).all():
             raise ValueError(f"NaN or inf in {f}")
-    if T > prompt + L:
-        raise ValueError(f"T {T} is over this run's {prompt} prompt + {L} completion tokens" if llm else
-                         f"T {T} is over this task's {L} steps")
+    if not 0 < T <= prompt + L:
+        raise ValueError(f"T {T} is not in 1..{prompt + L}: {prompt} prompt + {L} completion tokens" if llm
+                         else f"T {T} is not in 1..{L}: this task's steps")
     if not torch.equal(t["group_id"], torch.arange(P).repeat_interleave(G)):      # [N] 0, 0, .., 1, 1, ..
         raise ValueError(f"group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous; this run takes "
                          f"{P} prompts x {G} samples")
@@ -255,9 +259,12 @@ class WireServer:
             # FIN after the answer, then discard what the client still sends for LINGER_S: closing with
             # unread input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20
             writer.write_eof()
+            # for LINGER_S; one that never showed the token, for STRANGER_LINGER bytes at most
+            left = STRANGER_LINGER if writer in self._unknown else math.inf
             until = time.monotonic() + LINGER_S
-            while await asyncio.wait_for(reader.read(1 << 16), until - time.monotonic()):
-                pass
+            while left > 0 and (got := await asyncio.wait_for(reader.read(min(left, 1 << 16)),
+                                                              until - time.monotonic())):
+                left -= len(got)
 
     async def _send(self, writer, data):
         """In CHUNKs (the transport copied a whole blob it could not send at once); cut only once stalled."""
