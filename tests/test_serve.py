@@ -395,10 +395,10 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
 
 
 def test_a_client_without_the_token_is_cut_off_after_its_answer(serve):
-    """Junk after a 403 is discarded for STRANGER_LINGER bytes, then the connection is reset: the client can push
-    that, the server's StreamReader buffer (2 x MAX_HEAD), its kernel's receive buffer (at most tcp_rmem's max)
-    and its own send buffer (fixed here), and no more. Before, it streamed into the trainer's process for LINGER_S
-    s: hundreds of MB over loopback. A bound in bytes, not in time: it holds on a loaded machine."""
+    """Junk after a 403 is read for STRANGER_LINGER bytes, then left unread until the reset LINGER_S s after the
+    answer: the client can push that, the server's StreamReader buffer (2 x MAX_HEAD), its kernel's receive
+    buffer (at most tcp_rmem's max) and its own send buffer (fixed here), and no more. Before, it streamed into
+    the trainer's process for LINGER_S s: hundreds of MB over loopback. A bound in bytes, not in time."""
     try:
         rmem = int(open("/proc/sys/net/ipv4/tcp_rmem").read().split()[2])
     except OSError:
