@@ -53,6 +53,11 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
+class CommaList(tuple):  # choices of a comma-separated flag: argparse and validate() ask `value in choices`
+    def __contains__(self, value):
+        return set(value.split(",")) <= {"", *self}
+
+
 def arg(default, help, choices=None):   # metadata: the flag's add_argument keywords (argparse %-formats help)
     kw = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"type": type(default)}
     return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices, **kw})
@@ -132,8 +137,8 @@ class Config:
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
-    report_to: str = arg("", "also log every CSV row to these trackers, comma-separated: wandb, trackio, "
-                             "tensorboard (pip install it; rank 0 only)")
+    report_to: str = arg("", "also log every CSV row to these trackers, comma-separated (pip install each; "
+                             "rank 0 only)", CommaList(["wandb", "trackio", "tensorboard"]))
 
     @property
     def is_llm(self):
@@ -286,6 +291,10 @@ def validate(cfg, world=1):
     llm = cfg.is_llm
     errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
               if not ok(getattr(cfg, name))]
+    # argparse checked the choices of a command line; these are again for a Config built in code (a typo'd
+    # --role trainr once trained sync, silently)
+    errors += [f"{flag(f.name)} {v}: choose from {', '.join(c)}" for f in fields(cfg)
+               if (c := f.metadata["choices"]) and (v := getattr(cfg, f.name)) not in c]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
     rules = [   # (broken, message)
         (cfg.n_prompts % world,
@@ -326,8 +335,6 @@ def validate(cfg, world=1):
         (cfg.dtype == "float16" and cfg.role != "rollout",
          "--dtype float16 would train without loss scaling (small gradients underflow to 0): use bfloat16, "
          "or float32; float16 is for --role rollout workers, which compute no gradient"),
-        (set(cfg.report_to.split(",")) - {"", "wandb", "trackio", "tensorboard"},
-         f"--report-to {cfg.report_to}: the trackers are wandb, trackio, tensorboard, comma-separated"),
         (cfg.resume and not os.path.isfile(cfg.resume),
          f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
         (written and not cfg.resume and cfg.role != "rollout",

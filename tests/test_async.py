@@ -4,8 +4,10 @@ import contextlib
 import csv
 import os
 import re
+import selectors
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -552,6 +554,36 @@ def flood(port: int, per_s: int, seconds: float, threads: int = 1, hold: float =
     return sum(opened) / seconds
 
 
+def junk(port: int, conns: int, seconds: float) -> tuple:
+    """`conns` connections at a time, each a request with a wrong token and then junk as fast as the trainer takes
+    it; one cut is replaced at once -> (connections a second opened, MB a second sent). A 64 KiB send buffer: the
+    flooder, on this machine too, copies little more than what the trainer reads (autotuned, ~1.5 MB a socket)."""
+    head = b"POST /batch HTTP/1.1\r\nAuthorization: Bearer wrong\r\nContent-Length: 1000000000\r\n\r\n"
+    sel, data, opened, sent = selectors.DefaultSelector(), b"x" * (1 << 16), 0, 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        while len(sel.get_map()) < conns and time.monotonic() < end:
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=1)
+            except OSError:                             # the accept queue is full: try again
+                continue
+            with contextlib.suppress(OSError):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+                s.sendall(head)
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_WRITE)
+                opened += 1
+        for key, _ in sel.select(0.1):
+            try:
+                sent += key.fileobj.send(data)
+            except OSError:                             # reset: the trainer cut it
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    return opened / seconds, sent / seconds / 1e6
+
+
 def steps_per_s(csv_path, seconds: float) -> float:
     n0, t0 = len(rows(csv_path)), time.monotonic()
     time.sleep(seconds)
@@ -559,9 +591,9 @@ def steps_per_s(csv_path, seconds: float) -> float:
 
 
 def flood_figures(tmp_path, floods: list) -> list:
-    """A live CartPole trainer with one honest worker: its steps/s alone for 10 s, then under each flood
-    (per_s, threads) of 20 s -> [steps/s alone, (connections/s reached, steps/s), ...]. Under each flood, a
-    request that showed the token and sends its body slowly still gets its answer: it is never evicted."""
+    """A live CartPole trainer with one honest worker: its steps/s alone for 10 s, then under each flood of 20 s
+    (a function of the port -> what it reached) -> [steps/s alone, (reached, steps/s), ...]. Under each flood,
+    a request that showed the token and sends its body slowly still gets its answer: it is never evicted."""
     raise_fd_limit(8192)
     port, csv_path = free_port(), tmp_path / "f.csv"
     # --lr 1e-9: the policy, so an episode's length and a step's cost, stays put for the whole measurement
@@ -573,10 +605,10 @@ def flood_figures(tmp_path, floods: list) -> list:
         wait_for_port(port)
         poll_rows(csv_path, lambda r: len(r) >= 10)
         figures = [steps_per_s(csv_path, 10)]
-        for per_s, threads in floods:
+        for fn in floods:
             slow, reached = socket.create_connection(("127.0.0.1", port), timeout=10), []
             slow.sendall(auth + b"0123456789")                                       # half its body
-            flooder = threading.Thread(target=lambda: reached.append(flood(port, per_s, 20, threads)))
+            flooder = threading.Thread(target=lambda: reached.append(fn(port)))
             flooder.start()
             figures.append(steps_per_s(csv_path, 19))
             flooder.join()
@@ -597,7 +629,7 @@ def test_a_connection_flood_keeps_the_trainer_training(tmp_path):
     """300 connections a second without a token, each half a request held ~1 s, for 20 s: they are capped
     among themselves, never at the cost of a connection that showed the token, so the worker keeps its
     long-polls and downloads and the trainer keeps at least 40% of its step rate."""
-    alone, (reached, flooded) = flood_figures(tmp_path, [(300, 1)])
+    alone, (reached, flooded) = flood_figures(tmp_path, [lambda port: flood(port, 300, 20)])
     print(f"\nsteps/s: {alone:.1f} alone, {flooded:.1f} under {reached:.0f} connections/s without a token")
     assert reached >= 200 and flooded >= 0.4 * alone
 
@@ -605,6 +637,19 @@ def test_a_connection_flood_keeps_the_trainer_training(tmp_path):
 @pytest.mark.skipif(not os.environ.get("NANORL_BENCH_FLOOD"), reason="70 s: NANORL_BENCH_FLOOD=1 measures it")
 def test_bench_flood_of_300_and_2000_connections_per_s(tmp_path):
     """Figures, not a pass/fail: 8 threads, as one reached ~1,600 connections/s at most here."""
-    alone, *floods = flood_figures(tmp_path, [(300, 1), (2000, 8)])
+    alone, *floods = flood_figures(tmp_path, [lambda port: flood(port, 300, 20),
+                                              lambda port: flood(port, 2000, 20, threads=8)])
     under = "; ".join(f"{steps:.1f} under {rate:.0f} connections/s" for rate, steps in floods)
     print(f"\nsteps/s: {alone:.1f} alone; {under}")
+
+
+@pytest.mark.skipif(not os.environ.get("NANORL_BENCH_FLOOD"), reason="~2.5 min: NANORL_BENCH_FLOOD=1 measures it")
+def test_bench_junk_after_a_wrong_token(tmp_path):
+    """Figures, not a pass/fail: 256 connections that send a wrong token, then stream junk (each replaced once
+    cut), in three 20 s windows, each after 20 s without (the rate alone, in the same setting as the flood)."""
+    figures = flood_figures(tmp_path, [lambda port: time.sleep(20), lambda port: junk(port, 256, 20)] * 3)
+    alone, under = [figures[0]] + [f[1] for f in figures[1::2]], figures[2::2]
+    spread = lambda xs: f"{statistics.median(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+    print(f"\nsteps/s, median (min-max): {spread(alone)} alone; {spread([s for _, s in under])} under 256 junk "
+          f"streams after a wrong token ({spread([r[0] for r, _ in under])} connections/s, "
+          f"{spread([r[1] for r, _ in under])} MB/s sent)")

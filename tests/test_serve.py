@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from core import Batch
-from serve import (Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_from_bytes, batch_to_bytes,
-                   describe, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
+from serve import (MAX_HEAD, STRANGER_LINGER, Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer,
+                   batch_from_bytes, batch_to_bytes, describe, tensors_from_bytes, tensors_to_bytes, unpack_adapter)
 
 TOKEN = "test-token-0123456789"
 FP = {"task": "cartpole", "split_seed": 0}
@@ -366,7 +366,8 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     exact = [(413, status_raw(port, {**auth, "Content-Length": str(10 ** 12)}, b"small")),   # before the body
              (411, status_raw(port, auth)),
              (401, status_raw(port, {"Content-Length": str(10 ** 9)}, b"x")),                  # unread: answered now
-             (403, status_of(port, "POST", "/batch", {"Authorization": "Bearer no"}, big)),
+             # without the token, a body is discarded up to STRANGER_LINGER bytes (more: see the next test)
+             (403, status_of(port, "POST", "/batch", {"Authorization": "Bearer no"}, b"x" * STRANGER_LINGER)),
              (413, status_of(port, "POST", "/batch", auth, big))]
     assert [got for _, got in exact] == [want for want, _ in exact]
     statuses += [got for _, got in exact]
@@ -391,6 +392,28 @@ def test_hostile_requests_get_4xx_and_lose_nothing(serve, tmp_path):
     submit(client, make_batch(version=2, seed=7))
     assert same_batch(server.next_batches(1, 2, timeout=1)[0], make_batch(version=2, seed=7))
     assert server.counters["received"] == 2
+
+
+def test_a_client_without_the_token_is_cut_off_after_its_answer(serve):
+    """Junk after a 403 is read for STRANGER_LINGER bytes, then left unread until the reset LINGER_S s after the
+    answer: the client can push that, the server's StreamReader buffer (2 x MAX_HEAD), its kernel's receive
+    buffer (at most tcp_rmem's max) and its own send buffer (fixed here), and no more. Before, it streamed into
+    the trainer's process for LINGER_S s: hundreds of MB over loopback. A bound in bytes, not in time."""
+    try:
+        rmem = int(open("/proc/sys/net/ipv4/tcp_rmem").read().split()[2])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/tcp_rmem (not Linux): the server's receive buffer is unknown")
+    server, _ = serve()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)     # a fixed size: no autotuning
+        s.sendall(b"POST /batch HTTP/1.1\r\nAuthorization: Bearer wrong\r\nContent-Length: 1000000000\r\n\r\n")
+        assert s.makefile("rb").readline().startswith(b"HTTP/1.1 403 ")
+        bound = STRANGER_LINGER + 2 * MAX_HEAD + rmem + s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        sent, junk = 0, b"x" * (1 << 16)
+        with pytest.raises((ConnectionResetError, BrokenPipeError)):
+            while sent <= bound:
+                sent += s.send(junk)
+    assert server.counters == {} and TrainerClient(f"http://127.0.0.1:{server.port}", TOKEN).info()["version"] == 1
 
 
 def test_a_batch_due_now_is_waited_for_not_overtaken(serve):
@@ -456,7 +479,7 @@ def bad_for_the_run(limits, version=1):
     cannot produce. The base batch is one it can: rows of a 1-2 token prompt and 1-2 tokens, or <= 5 steps."""
     G, P, prompt, L, A, (lo, hi) = (limits[k] for k in ("group_size", "n_prompts", "prompt_len", "max_len",
                                                         "n_actions", "reward"))
-    llm, N = prompt > 0, G * P
+    llm, N, steps = prompt > 0, G * P, ("states", "actions", "logp", "rewards", "mask")   # [N, T, ..] fields
     kw = {"version": version, "G": G, "llm": llm, "V": A}
     b = make_batch(N=N, T=3 if llm else 5, **kw)
     s, e = int(b.mask[0].argmax()), int(b.mask[0].argmax() + b.mask[0].sum())       # row 0's trained span
@@ -468,7 +491,8 @@ def bad_for_the_run(limits, version=1):
     out = [("this run takes", make_batch(N=N + G, **kw)),                             # one prompt too many
            ("this run takes", replace(b, group_size=1, group_id=torch.arange(N)) if G > 1 else
             replace(b, group_size=2, group_id=torch.arange(N // 2).repeat_interleave(2))),
-           ("is over this", make_batch(N=N, T=prompt + L + 1, **kw)),                 # T one past the budget
+           ("is not in 1..", make_batch(N=N, T=prompt + L + 1, **kw)),                # T one past the budget
+           ("is not in 1..", replace(b, **{f: getattr(b, f)[:, :0] for f in steps})),   # T 0: was a 500
            ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].zero_())),                # an empty row
            ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
            ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
