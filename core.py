@@ -10,7 +10,7 @@ LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = l
 mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. A tool's reply
 inside a completion (--max-tool-calls) is context: its ids are in states, with mask 0 and logp 0.
 """
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -45,13 +45,13 @@ class Batch:
         """Rows in prompt-major order, each prompt's group_size rows contiguous -> their Batch."""
         assert len(rows) % group_size == 0, "every group needs the same size"
         pad = lambda field: pad_sequence([getattr(tr, field) for tr in rows], batch_first=True)
-        has_final = rows[0].final_state is not None
+        final = [tr.final_state for tr in rows]
         return Batch(                                                      # states [N, T, O] or [N, T]
             **{field: pad(field) for field in ("states", "actions", "logp", "rewards")},  # zero right-padded
             mask=pad("mask").float(),                                      # [N, T]
             truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
             group_id=torch.arange(len(rows) // group_size).repeat_interleave(group_size),   # [N]
-            final_states=torch.stack([tr.final_state for tr in rows]) if has_final else None,
+            final_states=None if final[0] is None else torch.stack(final),  # [N, O]
             group_size=group_size, version=version)
 
     def __len__(self):
@@ -63,8 +63,7 @@ class Batch:
 
     def _map(self, fn):
         """Apply fn to every tensor field (all of them are per-row), keep the rest."""
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        return replace(self, **{name: fn(x) for name, x in vars(self).items() if torch.is_tensor(x)})
 
     def to(self, device):
         return self._map(lambda x: x.to(device))
