@@ -166,7 +166,7 @@ class HFPolicy(_Text, nn.Module):
             done = done | (torch.isin(nxt, eos) & ~replying)
             if tools:
                 _call_tools(tools, self, nxt.tolist(), done.tolist(), completions, since, replies)
-            ids, pos, attn = nxt[:, None], pos + 1, torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
         bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < end.cpu()[:, None])).any(0)   # [C]
@@ -306,7 +306,7 @@ def _no_dropout(model):
     """Zero every training-mode randomness: dropout modules (LoRA's included) and the floats the config and
     its layers declare (*dropout*, *pdrop, drop_path_rate, OPT's layerdrop, Mixtral's router_jitter_noise):
     checkpointing needs training mode, and the loss models the dropout-free sampler (epoch 0's ratio is 1)."""
-    for m in list(model.modules()) + [model.config, model.config.get_text_config()]:
+    for m in [*model.modules(), model.config, model.config.get_text_config()]:
         if isinstance(m, nn.modules.dropout._DropoutNd):
             m.p = 0.0
         for k in [k for k, v in vars(m).items() if ("drop" in k or "jitter" in k) and isinstance(v, float)]:
