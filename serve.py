@@ -27,9 +27,8 @@ from core import Batch
 
 MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
 HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
-# bytes read from an answered client that never showed the token: reading runs under the trainer's GIL, and
-# 256 connections streaming junk for LINGER_S kept its loop busy. 64 KiB is one read, and more than an honest
-# worker with a wrong token sends: its first call, GET /info, has no body, so its 403 arrives whole
+# bytes read after answering one that never showed the token (junk read under the trainer's GIL slowed it);
+# a worker with a wrong token hears its 403 whole: its first call, GET /info, has no body
 STRANGER_LINGER = 1 << 16
 CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
 POLL_S = 0.02                                       # s between a waiting lease's looks for room
@@ -257,10 +256,9 @@ class WireServer:
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
             await self._send(writer, body)          # not concatenated: weights can be GBs
             # FIN after the answer, then discard what the client still sends for LINGER_S: closing with
-            # unread input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20. From one
-            # that never showed the token, STRANGER_LINGER bytes at most; then it is held unread (its sends
-            # block: no work here) until LINGER_S is up, not reset at once: 256 junk streams replaced as soon
-            # as cut (~660/s) held a CartPole trainer to 1.4 steps/s (16.8 alone); held, 21.6 (24.7 alone)
+            # unread input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20. A stranger:
+            # STRANGER_LINGER bytes, then held unread till LINGER_S (reset at once, 256 junk streams came back
+            # ~660 times/s: 1.4 CartPole steps/s, 16.8 alone; held, 21.6 of 24.7)
             writer.write_eof()
             left = STRANGER_LINGER if writer in self._unknown else math.inf
             until = time.monotonic() + LINGER_S

@@ -255,8 +255,7 @@ class LLMTask:
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
-    # prompts explaining it; it writes "34 * 18 =" unasked. tool: a plain function str -> str (a subclass:
-    # `tool = my_function`), yours may call anything.
+    # prompts explaining it; it writes "34 * 18 =" unasked. tool: any plain function str -> str (`tool = f`).
     tool, tool_stop = calculator, "="
     tool_hint = " (A calculator: write an expression and =, like 12*34=, and it writes the value.)"
 

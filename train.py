@@ -291,8 +291,7 @@ def validate(cfg, world=1):
     llm = cfg.is_llm
     errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
               if not ok(getattr(cfg, name))]
-    # argparse checked the choices of a command line; these are again for a Config built in code (a typo'd
-    # --role trainr once trained sync, silently)
+    # choices again: a Config built in code skips argparse's (--role trainr once trained sync, silently)
     errors += [f"{flag(f.name)} {v}: choose from {', '.join(c)}" for f in fields(cfg)
                if (c := f.metadata["choices"]) and (v := getattr(cfg, f.name)) not in c]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
@@ -394,19 +393,16 @@ class StopRun(Exception):
     """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
 
 
-# torchrun forwards Ctrl-C / SIGTERM to every rank, then SIGKILLs them after its shutdown timeout: 30 s by
-# default, this variable's with torch >= 2.12 (2.11 keeps 30 s). 300 s: a micro-batch and a save, with room
+# torchrun SIGKILLs ranks this long after forwarding a stop (torch >= 2.12; 2.11: 30 s): a micro-batch, a save
 TORCHRUN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun"
 
 
 class StopRequests:
-    """Ctrl-C (SIGINT) or SIGTERM (sky cancel, a spot notice: torchrun sends it to every rank) stops the run
-    within seconds, not after a step that may take minutes: generation is dropped at once (at_once: it changes
-    nothing), the update before its next micro-batch of the first epoch (no optimizer step taken yet), and the
-    last finished step is saved, exactly. Ranks agree (agree(): a scalar all-reduce) before anything changes,
-    so none is left in a collective (raising at once elsewhere left weights half-stepped, or a rank gone while
-    another sat in a collective: no checkpoint). Another signal over 2 s later quits at once, unsaved (sooner:
-    the same Ctrl-C, forwarded by torchrun). Falsy until asked."""
+    """Ctrl-C or SIGTERM (sky cancel, a spot notice; torchrun forwards both) stops within seconds, not after a
+    step of minutes: a generation at once (at_once), the update before its next micro-batch of epoch 0; ranks
+    agree (agree(), a scalar all-reduce) before anything changes, and the last finished step is saved exactly.
+    Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded). Falsy until
+    asked."""
 
     def __init__(self):
         self.asked, self.generating = 0.0, False       # asked: time.monotonic() of the first signal
@@ -427,8 +423,8 @@ class StopRequests:
 
     @contextlib.contextmanager
     def at_once(self):
-        """Inside, a stop request raises StopRun where the code is: only for work that changes nothing and
-        calls no collective (a rank leaving one would hang the others)."""
+        """Inside, a stop raises StopRun where the code is: for work that changes nothing and calls no
+        collective (raising elsewhere left weights half-stepped, or a rank gone from a collective: no .pt)."""
         self.generating = True
         try:
             if self:
