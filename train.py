@@ -375,17 +375,25 @@ def share_cores(cfg):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         procs = nanorl_processes()
         n, why = max(1, cores // procs), f"{cores} cores / {procs} NanoRL process{'es' * (procs > 1)} here"
-    if n != torch.get_num_threads():
-        torch.set_num_threads(n)
+    torch.set_num_threads(n)                            # the same n again: 0.15 us
     return f"{n} thread{'s' * (n > 1)} ({why})"
 
 
+RUNNING = pathlib.Path(tempfile.gettempdir(),            # a folder per user and checkout
+                       f"nanorl{os.getuid()}{os.path.abspath(__file__)}".replace(os.sep, "%"))
+
+
 def nanorl_processes():
-    """Processes running train.py on this machine, this one included (>= 1; 1 where there is no /proc)."""
+    """This checkout's NanoRL processes on this machine (>= 1): the files in RUNNING, named by their pids,
+    each added and removed by its process (__main__), one left by a kill -9 removed here. Not any process
+    with train.py in its argv (a run beside nanoGPT's got half the cores), nor a scan of /proc per step."""
     n = 0
-    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):              # a process gone meanwhile
-            n += b"train.py" in [os.path.basename(a) for a in cmdline.read_bytes().split(b"\0")[:3]]
+    for f in RUNNING.glob("[0-9]*"):
+        try:
+            os.kill(int(f.name), 0)                     # signal 0: only asks whether it lives
+            n += 1
+        except OSError:                                 # gone without a goodbye (kill -9), or not ours
+            f.unlink(missing_ok=True)
     return max(n, 1)
 
 
@@ -891,6 +899,10 @@ def read_yaml(path):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C
+    me = RUNNING / f"{os.getpid()}"                     # counted by nanorl_processes() until it exits
+    with contextlib.suppress(OSError):                  # a temp dir not ours to write in: uncounted
+        RUNNING.mkdir(exist_ok=True)
+        me.touch()
     try:
         train(parse_config(sys.argv[1:]))
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
@@ -903,6 +915,8 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}" if rank0 else 1)         # a message: printed to stderr, exit status 1
     except (StopRun, KeyboardInterrupt):                # saved, said how to resume; or quit at once, unsaved
         sys.exit(130)
+    finally:
+        me.unlink(missing_ok=True)
     if torch.distributed.is_initialized():  # torch asks: no process group left to the interpreter's exit
         torch.distributed.barrier()         # and no rank tears gloo down under a peer still in it (SIGABRT)
         torch.distributed.destroy_process_group()

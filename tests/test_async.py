@@ -12,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from core import Batch
+from model import MLPPolicy
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_to_bytes
 from test_dist import free_port
 from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
-from train import (Config, batch_limits, fingerprint, make_task, behav_logprobs, rollout_worker, score, trainable,
-                   validate)
+from train import (Config, batch_limits, fingerprint, make_task, behav_logprobs, rollout_worker, score, train,
+                   trainable, validate)
 
 TOKEN = "async-test-token"
 ENV = {**os.environ, "NANORL_TOKEN": TOKEN, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -61,6 +63,7 @@ def wait_for_port(port, deadline=60):
     raise TimeoutError("trainer never came up")
 
 
+@pytest.mark.slow
 def test_trainer_and_two_workers_solve_cartpole(tmp_path):
     port = free_port()
     grpo = ["--config", "configs/cartpole_grpo.yaml"]            # REINFORCE without a baseline is slow at k=2
@@ -107,6 +110,7 @@ def refused_by_a_live_trainer(port):
     return len(cases)
 
 
+@pytest.mark.slow
 def test_tiny_llm_20_steps_two_workers_no_drops_and_the_real_logp_gap(tmp_path, tiny_lm):
     port = free_port()
     common = ["--task", "maxdigit", "--model", tiny_lm, "--algo", "grpo", "--group-size", 4, "--n-prompts", 4,
@@ -132,7 +136,7 @@ def test_tiny_llm_20_steps_two_workers_no_drops_and_the_real_logp_gap(tmp_path, 
     assert max(float(x["staleness"]) for x in steps) <= 2 and any(float(x["staleness"]) > 0 for x in steps)
 
 
-def test_llm_old_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(tiny_lm):
+def test_llm_behav_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(tiny_lm):
     """The trainer's recompute is exact: version 1's snapshot swapped in gives, bit for bit, what a model
     holding version 1's weights scores. The sampler's decode-time log-probs differ from it by rounding only."""
     from model import HFPolicy
@@ -161,6 +165,7 @@ def poll_rows(path, until, timeout=60):
     raise TimeoutError(f"{path}: condition not met in {timeout} s")
 
 
+@pytest.mark.slow
 def test_an_abandoned_lease_and_a_killed_worker_stall_training_for_seconds(tmp_path):
     """Default --lease-timeout (5 s). A lease taken and never renewed, then kill -9 of a worker that is
     (most likely) generating: each costs one wait of at most --lease-timeout, and the killed worker its batch."""
@@ -194,6 +199,7 @@ def test_an_abandoned_lease_and_a_killed_worker_stall_training_for_seconds(tmp_p
     assert int(done.split()[0]) >= 1                                                # the late worker's batches were used
 
 
+@pytest.mark.slow
 def test_trainer_killed_and_resumed_keeps_workers_and_never_mixes_runs(tmp_path):
     """kill -9 the trainer, restart it with --resume on the same port: a new run id, version numbers reused
     with other weights. The workers carry on; batches of the dead run are refused (409); every step's
@@ -259,6 +265,7 @@ def raise_fd_limit(need):
         resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
+@pytest.mark.slow
 def test_a_held_and_hostile_trainer_still_trains_to_its_last_step(tmp_path):
     """500 idle sockets, a client trickling a header line a second, and a hostile mix with and without the
     token (garbage, pickles, lying Content-Lengths, bad shapes, NaN, stale and future versions, batches the
@@ -318,7 +325,95 @@ def test_a_held_and_hostile_trainer_still_trains_to_its_last_step(tmp_path):
     assert last["step"] == "30" and int(last["refused"]) >= sent + 1 and int(last["received"]) >= 30
 
 
-def test_old_logprobs_swap_in_the_snapshot_and_restore_bit_for_bit():
+class InThread(threading.Thread):
+    """fn(*args) run in a thread, polled as a Popen is (poll(): None while it runs) -> .result, or .error."""
+
+    def __init__(self, fn, *args):
+        super().__init__(target=self.run_fn, args=(fn, *args), daemon=True)
+        self.result = self.error = None
+        self.start()
+
+    def run_fn(self, fn, *args):
+        try:
+            self.result = fn(*args)
+        except BaseException as e:                      # the test looks at it
+            self.error = e
+
+    def poll(self):
+        return None if self.is_alive() else 0
+
+
+def said(capsys, text, seen):
+    """Wait until `text` is printed, by whichever thread (seen: what was read so far, grown) -> seen."""
+    for _ in range(600):
+        seen += capsys.readouterr().out
+        if text in seen:
+            return seen
+        time.sleep(0.1)
+    raise TimeoutError(f"never printed: {text!r}")
+
+
+def test_a_worker_waits_for_its_trainer_trains_with_it_and_exits_when_the_run_ends(tmp_path, monkeypatch, capsys):
+    """test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line's first half, worker and
+    trainer in threads of this process (the same train(), server and client, without starting interpreters):
+    started first, the worker says it waits; it makes the trainer's batches; the trainer's 410 ends it."""
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    port = free_port()
+    worker = InThread(train, Config(role="rollout", trainer_url=f"http://127.0.0.1:{port}", trainer_patience=60))
+    seen = said(capsys, "worker: waiting for the trainer at http://127.0.0.1:", "")
+    trainer = InThread(train, Config(role="trainer", serve_port=port, out=str(tmp_path / "f"), steps=3,
+                                     solve_at=0, eval_every=0, lease_timeout=2))   # finish(grace): 1 s
+    trainer.join(120)
+    worker.join(60)
+    assert trainer.error is None and worker.error is None, (trainer.error, worker.error)
+    seen = said(capsys, "exiting after", seen)
+    assert re.search(r"worker: run \w+ finished.*; exiting after [1-9]\d* batches", seen), seen
+    last = rows(tmp_path / "f.csv")[-1]
+    assert last["step"] == "3" and int(last["used"]) == 3 and worker.result["batches"] >= 3
+
+
+def test_a_worker_errs_in_one_line_alone_with_a_wrong_token_or_other_settings(monkeypatch):
+    """test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line's second half and
+    test_worker_refuses_a_trainer_with_other_settings, in this process: no trainer, the wrong token and
+    another MLP width are each one line naming the fix (__main__ prints it: test_cli, test_train)."""
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    port = free_port()
+    cfg = Config(role="rollout", trainer_url=f"http://127.0.0.1:{port}", n_prompts=4, trainer_patience=0.5)
+    with pytest.raises(ValueError) as alone:
+        train(cfg)
+    assert str(alone.value) == (f"no trainer answered at http://127.0.0.1:{port} within --trainer-patience 0.5 "
+                                f"s: start it first (--role trainer), or check the host and port it logged")
+    task, policy = make_task(cfg), MLPPolicy(4, 2, cfg.hidden)
+    server = TrainerServer(TOKEN, fingerprint(cfg, 4), 2, host="127.0.0.1", port=port,
+                           limits=batch_limits(cfg, task, policy, 4)).start()
+    try:
+        server.publish(1, trainable(policy))
+        with pytest.raises(ValueError) as other:
+            rollout_worker(replace(cfg, hidden=32), task, "1 thread")
+        assert "refusing to run: setting 'hidden': trainer 64, worker 32" in str(other.value)
+        monkeypatch.setenv("NANORL_TOKEN", "another")
+        with pytest.raises(ValueError) as wrong:
+            train(cfg)
+    finally:
+        server.stop()
+    assert str(wrong.value) == (f"the trainer at http://127.0.0.1:{port} refused this worker: wrong token: "
+                                f"NANORL_TOKEN differs between trainer and worker")
+    assert all("\n" not in str(e.value) for e in (alone, other, wrong))
+
+
+def test_a_trainer_without_batches_saves_and_says_how_to_resume_in_one_process(tmp_path, monkeypatch, capsys):
+    """test_a_trainer_left_without_batches_saves_and_says_how_to_resume in this process, with no worker at all:
+    after --batch-timeout the trainer saves and prints the command that resumes it, then raises the
+    TimeoutError that __main__ prints as one line."""
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    with pytest.raises(TimeoutError, match="^no worker batch within --batch-timeout 1 s: start workers"):
+        train(Config(role="trainer", serve_port=free_port(), out=str(tmp_path / "t"), steps=1000, solve_at=0,
+                     eval_every=0, batch_timeout=1, ckpt_every=0))
+    assert torch.load(tmp_path / "t.pt")["step"] == 0
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].endswith(f"train.py --resume {tmp_path / 't.pt'}")
+
+
+def test_behav_logprobs_swap_in_the_snapshot_and_restore_bit_for_bit():
     from model import MLPPolicy
     from tasks import CartPole
     torch.manual_seed(0)
@@ -350,6 +445,7 @@ def test_async_roles_refuse_bad_settings(monkeypatch):
         validate(Config(role="trainer", vllm=True))
 
 
+@pytest.mark.slow
 def test_worker_refuses_a_trainer_with_other_settings(tmp_path):
     port = free_port()
     trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "m", "--steps", 2,
@@ -364,6 +460,7 @@ def test_worker_refuses_a_trainer_with_other_settings(tmp_path):
         trainer.kill()
 
 
+@pytest.mark.slow
 def test_a_trainer_left_without_batches_saves_and_says_how_to_resume(tmp_path):
     """kill -9 the only worker: after --batch-timeout the trainer saves, prints the command that resumes it, and
     exits 1 with one error line (it was a TimeoutError traceback and no checkpoint)."""
@@ -385,6 +482,7 @@ def test_a_trainer_left_without_batches_saves_and_says_how_to_resume(tmp_path):
     assert log.rstrip().splitlines()[-2] == f"    python train.py --resume {tmp_path / 't.pt'}", log[-500:]
 
 
+@pytest.mark.slow
 def test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line(tmp_path):
     """Started before its trainer, a worker says so at once; when the trainer's run ends it hears so (410) and exits
     0 within seconds (not after --trainer-patience, 120 s); with no trainer, or the wrong token, one line and exit 1."""
@@ -425,6 +523,7 @@ def test_a_worker_says_it_waits_exits_when_the_run_ends_and_errs_in_one_line(tmp
         f"between trainer and worker"]
 
 
+@pytest.mark.slow
 def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
     port, master = free_port(), free_port()
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(master),
@@ -502,6 +601,7 @@ def fuzz_until_done(port: int, trainer, first_seed: int) -> list:
     return [s for s in statuses if s != 410]            # 410: the trainer finished, the batch was not needed
 
 
+@pytest.mark.slow
 def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_path):
     """A live CartPole trainer per algorithm gets batches of random values anywhere the checks accept, some
     without final_states (PPO's critic bootstraps from them): each is refused with a 400 or trained on, and
@@ -522,6 +622,25 @@ def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_pat
         for trainer in trainers:
             trainer.kill()
     print(f"\n{statuses.count(200)} batches queued, {statuses.count(400)} refused")
+    assert set(statuses) == {200, 400} and statuses.count(200) >= 5 * 6, statuses
+
+
+def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept_in_one_process(tmp_path, monkeypatch):
+    """test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept with its five trainers in threads
+    of this process: the same train(), server and checks, and the same fuzz."""
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"]
+    ports = [free_port() for _ in algos]
+    trainers = [InThread(train, Config(role="trainer", serve_port=port, out=str(tmp_path / algo), algo=algo,
+                                       steps=6, n_prompts=2, group_size=2, eval_every=0, solve_at=0,
+                                       lease_timeout=2)) for algo, port in zip(algos, ports)]
+    statuses = []
+    for i, (algo, port, trainer) in enumerate(zip(algos, ports, trainers)):
+        wait_for_port(port)
+        statuses += fuzz_until_done(port, trainer, 1000 * i)
+        trainer.join(60)
+        assert not trainer.is_alive() and trainer.error is None, (algo, trainer.error)
+        assert rows(tmp_path / f"{algo}.csv")[-1]["step"] == "6"
     assert set(statuses) == {200, 400} and statuses.count(200) >= 5 * 6, statuses
 
 
@@ -625,6 +744,7 @@ def flood_figures(tmp_path, floods: list) -> list:
     return figures
 
 
+@pytest.mark.slow
 def test_a_connection_flood_keeps_the_trainer_training(tmp_path):
     """300 connections a second without a token, each half a request held ~1 s, for 20 s: they are capped
     among themselves, never at the cost of a connection that showed the token, so the worker keeps its

@@ -2,7 +2,9 @@
 that never overwrite, one-line errors instead of tracebacks, and the plot command."""
 import contextlib
 import csv
+import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +17,7 @@ import torch
 from tasks import MaxDigit, held_out
 from test_dist import free_port
 from test_train import ROOT
-from train import Config, validate
+from train import Config, parse_config, train, validate
 
 TRAIN, MODEL = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "model.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -55,6 +57,7 @@ def test_a_run_says_what_it_trains_and_where_its_files_go(tmp_path):
     assert [x["step"] for x in r] == ["0", "1", "2", "3"] and r[1]["grad_norm"] and r[1]["entropy"]
 
 
+@pytest.mark.slow
 def test_runs_never_overwrite_each_other(tmp_path):
     for _ in range(2):
         assert run(TRAIN, "--steps", 1, "--solve-at", 0, cwd=tmp_path).returncode == 0
@@ -67,6 +70,7 @@ def test_runs_never_overwrite_each_other(tmp_path):
     assert p.returncode == 1 and "nothing is overwritten: continue that run with --resume runs/cartpole_ppo.pt" in p.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weights(tmp_path):
     args = ["--steps", 40, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
     assert run(TRAIN, *args, "--out", "full", cwd=tmp_path).returncode == 0
@@ -96,6 +100,43 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weigh
     assert "--steps above 40" in again.stderr and "writing" not in again.stdout   # no file announced, then an error
 
 
+def test_runs_never_overwrite_each_other_in_one_process(tmp_path, monkeypatch):
+    """test_runs_never_overwrite_each_other with the runs in this process (train(parse_config(argv)), what
+    __main__ runs), not 4 interpreters."""
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        train(parse_config(["--steps", "1", "--solve-at", "0"]))
+    assert sorted(os.listdir(tmp_path / "runs")) == ["cartpole_reinforce-2.csv", "cartpole_reinforce-2.pt",
+                                                     "cartpole_reinforce.csv", "cartpole_reinforce.pt"]
+    train(parse_config(["--config", os.path.join(ROOT, "configs", "cartpole_ppo.yaml"), "--steps", "1",
+                        "--solve-at", "0"]))
+    assert (tmp_path / "runs" / "cartpole_ppo.csv").exists()        # named after its config
+    with pytest.raises(ValueError, match="nothing is overwritten: continue that run with --resume runs/cartpole_ppo.pt"):
+        train(parse_config(["--out", "runs/cartpole_ppo", "--steps", "1"]))   # an explicit name that exists
+
+
+def test_ctrl_c_saves_and_prints_the_command_that_resumes_it(tmp_path, monkeypatch):
+    """test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weights with one process: Ctrl-C
+    mid-run saves, exits 130 without a traceback and prints the resume command last, which continues the run
+    (here in this process; that a resume reaches the uninterrupted weights: test_train)."""
+    args = ["--steps", 1000, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
+    p = subprocess.Popen([sys.executable, TRAIN, *map(str, args), "--out", "part"], cwd=tmp_path, env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (os.path.exists(tmp_path / "part.csv") and len(rows(tmp_path / "part.csv")) >= 8):
+        assert time.time() < deadline and p.poll() is None, "the run never got going"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)                                       # Ctrl-C, mid-run
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert out.splitlines()[-1] == f"    python {TRAIN} --resume part.pt"   # the exact command, printed last
+    done = torch.load(tmp_path / "part.pt")["step"]
+    assert 7 <= done < 1000 and [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 1)]
+    monkeypatch.chdir(tmp_path)
+    train(parse_config([*out.splitlines()[-1].split()[2:], "--steps", str(done + 2)]))   # that command, on
+    assert [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 3)]
+
+
 def children(pid):
     """The processes whose parent is pid (torchrun's ranks), from /proc."""
     found = []
@@ -120,6 +161,7 @@ def uninterrupted(tmp_path_factory):
 DP_ARGS = ["--steps", 60, "--n-prompts", 16, "--solve-at", 0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["one rank", "every process"])
 @pytest.mark.parametrize("during", ["step", "evaluation"])
 def test_ctrl_c_under_torchrun_stops_every_rank_together_and_resumes_exactly(tmp_path, uninterrupted, target, during):
@@ -147,31 +189,56 @@ def test_ctrl_c_under_torchrun_stops_every_rank_together_and_resumes_exactly(tmp
     assert all(torch.equal(part["policy"][k], uninterrupted["policy"][k]) for k in part["policy"])
 
 
+def checkout(path):
+    """A copy of the seven modules at path -> its train module, imported under another name: the count of
+    NanoRL processes a run from that checkout sees."""
+    path.mkdir()
+    for m in ("algos", "core", "utils", "serve", "tasks", "model", "train"):
+        shutil.copy(os.path.join(ROOT, m + ".py"), path)
+    spec = importlib.util.spec_from_file_location(f"train_{path.name}", path / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module                     # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_llm_processes_share_the_cores_and_control_takes_one_thread(tmp_path, monkeypatch):
     """Three processes on two cores with torch's default threads each ran 2-13x slower: an LLM process takes
     its share of the cores (recounted as NanoRL processes come and go), a control task 1 thread (the fastest
-    for its 64-wide MLP), and --threads or OMP_NUM_THREADS override both. Other processes running a
-    train.py (here: a stand-in that sleeps) count as NanoRL processes."""
-    from train import nanorl_processes, share_cores
+    for its 64-wide MLP), and --threads or OMP_NUM_THREADS override both. NanoRL processes are this
+    checkout's train.py processes, real ones here (rollout workers waiting for a trainer): another
+    checkout's and a foreign train.py (nanoGPT's, say) are not counted; one that exits, or is killed with
+    -9, no longer is. Checkouts of their own, so that a suite running beside this one changes nothing."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    mine, theirs = checkout(tmp_path / "mine"), checkout(tmp_path / "theirs")
+    (tmp_path / "train.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(60)\n")
+    url = f"http://127.0.0.1:{free_port()}"           # nobody listens: the workers wait, asleep
+    worker = ["--role", "rollout", "--trainer-url", url, "--trainer-patience", "60"]
+    env = {**ENV, "NANORL_TOKEN": "cli-test"}
+    procs = [subprocess.Popen([sys.executable, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+             for args in ([mine.__file__, *worker], [mine.__file__, *worker], [theirs.__file__, *worker],
+                          [str(tmp_path / "train.py")])]
     cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
-    (tmp_path / "train.py").write_text("import time\ntime.sleep(60)\n")
-    others = [subprocess.Popen([sys.executable, str(tmp_path / "train.py")]) for _ in range(2)]
     try:
-        for _ in range(100):                            # their command lines appear as they start
-            if nanorl_processes() == 2:
-                break
-            time.sleep(0.1)
-        assert nanorl_processes() == 2                  # pytest itself runs no train.py
-        llm = Config(task="maxdigit", model="m", algo="grpo", group_size=2)
-        assert share_cores(llm) == f"{max(1, cores // 2)} thread{'s' * (cores >= 4)} ({cores} cores / 2 NanoRL " \
-                                    f"processes here)" and torch.get_num_threads() == max(1, cores // 2)
-        assert share_cores(Config()) == "1 thread (control task: 1 is fastest)" and torch.get_num_threads() == 1
-        assert share_cores(Config(threads=3)) == "3 threads (--threads)" and torch.get_num_threads() == 3
+        for p in procs:                                 # each said it waits (or sleeps): registered before
+            assert p.stdout.readline().startswith(("worker: waiting for the trainer", "sleeping"))
+        assert mine.nanorl_processes() == 2             # pytest itself runs no train.py
+        assert (theirs.RUNNING / str(procs[2].pid)).exists() and theirs.nanorl_processes() == 1
+        llm = mine.Config(task="maxdigit", model="m", algo="grpo", group_size=2)
+        assert mine.share_cores(llm) == f"{max(1, cores // 2)} thread{'s' * (cores >= 4)} ({cores} cores / 2 " \
+                                         f"NanoRL processes here)" and torch.get_num_threads() == max(1, cores // 2)
+        assert mine.share_cores(mine.Config()) == "1 thread (control task: 1 is fastest)"
+        assert torch.get_num_threads() == 1
+        assert mine.share_cores(mine.Config(threads=3)) == "3 threads (--threads)" and torch.get_num_threads() == 3
         monkeypatch.setenv("OMP_NUM_THREADS", "2")
-        assert share_cores(llm) == "2 threads (OMP_NUM_THREADS)"
+        assert mine.share_cores(llm) == "2 threads (OMP_NUM_THREADS)"
+        procs[0].send_signal(signal.SIGTERM)            # exits (130), taking its file along
+        procs[1].kill()                                 # -9: its file stays, until the next count
+        assert procs[0].wait(60) == 130 and procs[1].wait(60) == -signal.SIGKILL
+        assert sorted(os.listdir(mine.RUNNING)) == [str(procs[1].pid)]
+        assert mine.nanorl_processes() == 1 and os.listdir(mine.RUNNING) == []
     finally:
-        for p in others:
+        for p in procs:
             p.kill()
         torch.set_num_threads(before)
 
@@ -181,6 +248,7 @@ def one_line_error(p, expected):
     assert p.stderr.strip().splitlines() == [p.stderr.strip()] and expected in p.stderr, p.stderr
 
 
+@pytest.mark.slow
 def test_bad_files_give_one_line_errors(tmp_path):
     one_line_error(run(TRAIN, "--config", "nope.yaml", cwd=tmp_path), "error: --config nope.yaml: no such file")
     (tmp_path / "bad.yaml").write_text("algo: [grpo\nsteps: 3\n")
@@ -216,13 +284,63 @@ def test_a_taken_port_is_one_line_and_leaves_no_csv_to_resume(tmp_path):
         validate(Config(out=str(tmp_path / "run")))
 
 
-@pytest.mark.parametrize("typo,fix", [("--confg", "--config"), ("--group_size", "--group-size"),
-                                      ("--setps", "--steps")])
+TYPOS = [("--confg", "--config"), ("--group_size", "--group-size"), ("--setps", "--steps")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("typo,fix", TYPOS)
 def test_a_flag_typo_is_one_line_naming_the_flag_meant(tmp_path, typo, fix):
     one_line_error(run(TRAIN, typo, "2", cwd=tmp_path), f"error: unknown flag {typo}: did you mean {fix}?")
     one_line_error(run(TRAIN, "--steps", "ten", cwd=tmp_path), "argument --steps: invalid int value: 'ten'")
 
 
+def test_bad_files_give_one_line_errors_in_one_process(tmp_path, monkeypatch):
+    """test_bad_files_give_one_line_errors in this process: each is a one-line ValueError, which __main__
+    prints as `error: ...` and exits 1 (test_train: test_cli_prints_the_error_not_a_traceback)."""
+    monkeypatch.chdir(tmp_path)
+
+    def error(*argv):
+        with pytest.raises(ValueError) as e:
+            train(parse_config(list(map(str, argv))))
+        assert "\n" not in str(e.value)
+        return str(e.value)
+    assert error("--config", "nope.yaml").startswith("--config nope.yaml: no such file")
+    (tmp_path / "bad.yaml").write_text("algo: [grpo\nsteps: 3\n")
+    assert "is not valid YAML at line 2" in error("--config", "bad.yaml")
+    (tmp_path / "notes.pt").write_text("a text file, not a checkpoint\n")
+    why = error("--resume", "notes.pt")
+    assert "--resume notes.pt is not a readable NanoRL checkpoint (not a torch zip file)" in why
+    assert "weights_only" not in why                                  # torch's advice would be unsafe here
+    torch.save({"some": "other file"}, tmp_path / "other.pt")
+    assert "not saved by NanoRL" in error("--resume", "other.pt")
+    for offline in ("0", "1"):                                         # HF_HUB_OFFLINE=1: set on many clusters
+        monkeypatch.setenv("HF_HUB_OFFLINE", offline)
+        assert "--model no/such/folder: no local folder" in error("--task", "maxdigit", "--algo", "grpo",
+                                                                   "--group-size", 2, "--model", "no/such/folder")
+
+
+@pytest.mark.parametrize("typo,fix", TYPOS)
+def test_a_flag_typo_is_one_line_naming_the_flag_meant_in_one_process(typo, fix):
+    with pytest.raises(ValueError) as e:
+        parse_config([typo, "2"])
+    assert str(e.value).startswith(f"unknown flag {typo}: did you mean {fix}?") and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="argument --steps: invalid int value: 'ten'"):
+        parse_config(["--steps", "ten"])
+
+
+def test_resume_may_change_what_leaves_the_maths_alone_and_nothing_else_in_one_process(tmp_path, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.chdir(tmp_path)
+    train(parse_config(["--steps", "2", "--n-prompts", "4", "--solve-at", "0", "--out", "r"]))
+    with pytest.raises(ValueError, match=r"these differ \(checkpoint, now\): --lr 0.01 vs 0.1"):
+        train(parse_config(["--resume", "r.pt", "--steps", "4", "--lr", "0.1"]))
+    capsys.readouterr()
+    train(parse_config(["--resume", "r.pt", "--steps", "3", "--micro-batch", "2", "--threads", "1", "--serve-port",
+                        "0", "--batch-timeout", "9", "--lease-timeout", "2", "--grad-ckpt", "--gen-batch", "8"]))
+    assert "resuming r.pt after step 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_resume_may_change_what_leaves_the_maths_alone_and_nothing_else(tmp_path):
     assert run(TRAIN, "--steps", 2, "--n-prompts", 4, "--solve-at", 0, "--out", "r", cwd=tmp_path).returncode == 0
     one_line_error(run(TRAIN, "--resume", "r.pt", "--steps", 4, "--lr", 0.1, cwd=tmp_path),
@@ -232,6 +350,7 @@ def test_resume_may_change_what_leaves_the_maths_alone_and_nothing_else(tmp_path
     assert p.returncode == 0 and "resuming r.pt after step 2" in p.stdout, p.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_prints_a_user_error_once_and_names_it_in_its_summary(tmp_path):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                         str(free_port()), TRAIN, "--algo", "grpo"], cwd=tmp_path, env=ENV, capture_output=True,
@@ -249,6 +368,10 @@ def test_maxdigit_holds_out_distinct_problems_and_always_9_scores_27_percent():
     prompts = [p["prompt"] for p in task.eval_set]
     assert len(prompts) == len(set(prompts)) == 100 and all(held_out(p) for p in prompts)
     assert sum(p["answer"] == "9" for p in task.eval_set) == 27       # the README's baseline, counted on this set
+
+
+@pytest.mark.slow
+def test_maxdigit_holds_out_a_tenth_of_its_1000_prompts():
     assert len(MaxDigit(eval_episodes=1000).eval_set) == 107          # all of 1,000 prompts' held-out tenth
 
 
@@ -272,6 +395,7 @@ def test_llm_discounting_and_fp16_training_are_refused(monkeypatch):
     validate(Config(**llm, gamma=1.0, dtype="float16", role="rollout", trainer_url="http://127.0.0.1:1"))
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png_of_your_run_or_says_matplotlib_is_missing(tmp_path):
     assert run(TRAIN, "--steps", 2, "--solve-at", 0, "--out", "r", cwd=tmp_path).returncode == 0
     no_mpl = "import runpy, sys; sys.modules['matplotlib'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"

@@ -1,4 +1,5 @@
 """Data parallelism: 2 gloo ranks, each with half the prompts, give the gradient of one process."""
+import contextlib
 import importlib.util
 import os
 import socket
@@ -32,33 +33,84 @@ def problem(algo, agg):
     return cfg, policy, batch
 
 
-def rank_main(rank, port, algo, agg, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    from utils import init_distributed
-    assert init_distributed() == (rank, 2)
+def rank_grads(rank, algo, agg, out):
     cfg, policy, batch = problem(algo, agg)
     half = batch[rank * 4:(rank + 1) * 4]                                 # this rank's 2 prompts
     half.group_size = 2
     adv, target = algos.ESTIMATORS[algo](half, policy, **HP[algo])       # ppo whitens over both ranks
     grads, _ = grads_after(policy, cfg, half, adv, target)
     torch.save(grads, out + f".{rank}")
+
+
+COMBOS = [("ppo", "token"), ("grpo", "seq"), ("grpo", "constant")]
+
+
+def ranks_main(rank, ports, tiny, out):
+    """Every 2-rank check of this file in one spawn (each starts two interpreters that import torch: seconds):
+    in init_distributed's group, a 3-step run of train() as torchrun's ranks run it, its stdout kept, and the
+    gradients of COMBOS (and of the tiny LM); then, in a group keyed by device, the collectives and the
+    sharded evaluations (collectives_rank_main)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[0]), RANK=str(rank), WORLD_SIZE="2")
+    from train import train
+    from utils import init_distributed
+    with open(f"{out}-dp.stdout.{rank}", "w") as f, contextlib.redirect_stdout(f):
+        assert init_distributed() == (rank, 2)
+        report = "tensorboard" if importlib.util.find_spec("tensorboard") else ""
+        train(Config(steps=3, n_prompts=4, out=f"{out}-dp", solve_at=0.0, report_to=report))
+    for algo, agg in COMBOS:
+        rank_grads(rank, algo, agg, f"{out}-{algo}-{agg}")
+    if tiny:
+        llm_rank_grads(rank, tiny, f"{out}-llm")
     torch.distributed.barrier()                         # nobody tears gloo down under a peer (SIGABRT)
     torch.distributed.destroy_process_group()
+    collectives_rank_main(rank, ports[1], tiny, f"{out}-c")
 
 
-@pytest.mark.parametrize("algo,agg", [("ppo", "token"), ("grpo", "seq"), ("grpo", "constant")])
-def test_two_gloo_ranks_equal_one_process(tmp_path, algo, agg):
+def spawn_ranks(tmp, tiny):
+    out = str(tmp / "r")
+    mp.start_processes(ranks_main, args=((free_port(), free_port()), tiny, out), nprocs=2, start_method="spawn")
+    return out, tiny
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Spawns ranks_main on 2 ranks once, MLPs only -> (the prefix of the files it saved, None)."""
+    return spawn_ranks(tmp_path_factory.mktemp("two-ranks"), None)
+
+
+@pytest.fixture(scope="module")
+def two_ranks_llm(tmp_path_factory):
+    """The same with the tiny LM too (its interpreters then import transformers and peft: the slow tier)."""
+    pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
+    from model import make_tiny_lm
+    tmp = tmp_path_factory.mktemp("two-ranks-llm")
+    return spawn_ranks(tmp, make_tiny_lm(str(tmp / "tiny")))
+
+
+@pytest.mark.parametrize("algo,agg", COMBOS)
+def test_two_gloo_ranks_equal_one_process(two_ranks, algo, agg):
     cfg, policy, batch = problem(algo, agg)
     adv, target = algos.ESTIMATORS[algo](batch, policy, **HP[algo])
     one, _ = grads_after(policy, cfg, batch, adv, target)
-    out = str(tmp_path / "g")
-    mp.start_processes(rank_main, args=(free_port(), algo, agg, out), nprocs=2, start_method="spawn")
     for rank in range(2):
-        two = torch.load(out + f".{rank}")
+        two = torch.load(f"{two_ranks[0]}-{algo}-{agg}.{rank}")
         for a, b in zip(one, two, strict=True):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
 
 
+def test_two_ranks_train_once_on_screen_and_on_disk(two_ranks):
+    """test_torchrun_two_ranks_end_to_end without torchrun (its three interpreters: the slow tier): train() on
+    2 gloo ranks, as torchrun's ranks run it. Rank 0 logs and writes, once; rank 1 says nothing."""
+    out = two_ranks[0] + "-dp"
+    said = [open(f"{out}.stdout.{rank}").read() for rank in range(2)]
+    assert said[0].count("step 3/3 ") == 1 and said[1] == "", said                # rank 0 logs, once per step
+    assert said[0].count("torch.distributed: gloo, the policy on the CPU (an MLP policy)") == 1   # rank 0, once
+    assert len(open(out + ".csv").read().splitlines()) == 1 + 1 + 3               # header, step-0 eval, 3 steps
+    if importlib.util.find_spec("tensorboard"):         # rank 0 alone reports: one writer, one events file
+        assert len(os.listdir(out + ".tensorboard")) == 1, os.listdir(out + ".tensorboard")
+
+
+@pytest.mark.slow
 def test_torchrun_two_ranks_end_to_end(tmp_path):
     report = ["--report-to", "tensorboard"] if importlib.util.find_spec("tensorboard") else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(free_port()),
@@ -73,15 +125,10 @@ def test_torchrun_two_ranks_end_to_end(tmp_path):
         assert len(os.listdir(tmp_path / "dp.tensorboard")) == 1, os.listdir(tmp_path / "dp.tensorboard")
 
 
-def llm_rank_main(rank, port, tiny, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
-    from utils import init_distributed
-    init_distributed()
+def llm_rank_grads(rank, tiny, out):
     cfg, policy, batch, adv = llm_problem(tiny)
     grads, _ = grads_after(policy, cfg, batch[rank * 4:(rank + 1) * 4], adv[rank * 4:(rank + 1) * 4], None, 4)
     torch.save(grads, out + f".{rank}")
-    torch.distributed.barrier()                         # nobody tears gloo down under a peer (SIGABRT)
-    torch.distributed.destroy_process_group()
 
 
 def llm_problem(tiny):
@@ -97,16 +144,13 @@ def llm_problem(tiny):
     return cfg, policy, batch, adv
 
 
-def test_two_gloo_ranks_equal_one_process_on_the_tiny_lm(tmp_path):
-    pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
-    from model import make_tiny_lm
-    tiny = make_tiny_lm(str(tmp_path / "tiny"))
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process_on_the_tiny_lm(two_ranks_llm):
+    out, tiny = two_ranks_llm
     cfg, policy, batch, adv = llm_problem(tiny)
     one, _ = grads_after(policy, cfg, batch, adv, None, 4)
-    out = str(tmp_path / "g")
-    mp.start_processes(llm_rank_main, args=(free_port(), tiny, out), nprocs=2, start_method="spawn")
     for rank in range(2):
-        for a, b in zip(one, torch.load(out + f".{rank}"), strict=True):
+        for a, b in zip(one, torch.load(f"{out}-llm.{rank}"), strict=True):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
 
 
@@ -116,7 +160,7 @@ def collectives_rank_main(rank, port, tiny, out):
     sharded held-out evaluation. The NCCL half needs a GPU even to initialize (tried here with torch
     2.14.1's CUDA build: "ProcessGroupNCCL is only supported with GPUs"), so CPU tensors take the gloo
     half of 'cpu:gloo', exactly as they do in 'cpu:gloo,cuda:nccl'."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    os.environ.update(MASTER_PORT=str(port))
     from tasks import MaxDigit
     from utils import all_reduce_grads, all_sum, broadcast_params, init_distributed
     init_distributed(timeout=60, backend="cpu:gloo")
@@ -153,13 +197,10 @@ class Counting(torch.nn.Module):
         return self.policy.act(obs, greedy)
 
 
-def test_collectives_and_a_sharded_evaluation_on_two_ranks(tmp_path):
-    tiny = None
-    if importlib.util.find_spec("transformers"):
-        from model import make_tiny_lm
-        tiny = make_tiny_lm(str(tmp_path / "tiny"))
-    out = str(tmp_path / "c")
-    mp.start_processes(collectives_rank_main, args=(free_port(), tiny, out), nprocs=2, start_method="spawn")
+@pytest.mark.parametrize("ranks", ["two_ranks", pytest.param("two_ranks_llm", marks=pytest.mark.slow)])
+def test_collectives_and_a_sharded_evaluation_on_two_ranks(ranks, request):
+    out, tiny = request.getfixturevalue(ranks)
+    out += "-c"
     torch.manual_seed(0)
     one = CartPole(eval_episodes=5).evaluate(MLPPolicy(4, 2, 16))
     for rank in range(2):

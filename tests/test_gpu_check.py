@@ -41,6 +41,7 @@ def check(args, out, timeout=300):
     return p, rows, final, time.time() - t0
 
 
+@pytest.mark.slow
 def test_the_gpu_machine_command_rehearses_on_a_cpu(tmp_path):
     args = gpu_command()
     assert args[0] == "tests/gpu_check.py"
@@ -62,23 +63,26 @@ def test_the_gpu_machine_command_rehearses_on_a_cpu(tmp_path):
     assert "max RSS of the train.py process (ru_maxrss)" in final
     kept = set(os.listdir(tmp_path / "gpu_check"))      # each part's log and CSV, for the day a row looks wrong
     assert {"smollm2.log", "smollm2.csv", "ckpt.csv", "async.csv", "async.worker.log"} <= kept
-    assert wall < 240                                    # --cpu's deadline
+    assert wall < 240 + 15                               # --cpu's deadline, + the interpreter's start and exit
 
 
+@pytest.mark.slow
 def test_a_failed_part_gets_its_row_and_the_deadline_holds(tmp_path):
     """Part 1's train.py refuses a flag: its row says why, part 2 still runs, and the check still ends by its
-    30 s deadline (whatever is left of part 4 is stopped or not run) with the whole table, in $OUT too."""
-    p, rows, final, wall = check(["tests/gpu_check.py", "--cpu", "--break-part", "1", "--budget-s", "30"], tmp_path)
+    60 s deadline (whatever is left of part 4 is stopped or not run) with the whole table, in $OUT too. 60 s,
+    not 30: on 2 cores shared with other work, part 2 then had 5 s left and logged no step."""
+    p, rows, final, wall = check(["tests/gpu_check.py", "--cpu", "--break-part", "1", "--budget-s", "60"], tmp_path)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
     note = rows[PARTS[0]]["note"]
     assert re.match(r"FAILED after \d+ s: train.py exited [12]: .*--no-such-flag", note), note   # its log's last line
     assert rows[PARTS[0]]["steps"] == ""
     assert rows[PARTS[1]]["steps"] == "2"               # the next part ran, measured
-    assert wall < 30 + 10, wall                          # + the interpreter's start and exit, on 2 busy cores
+    assert wall < 60 + 15, wall                          # + the interpreter's start and exit, on 2 busy cores
     for part in PARTS[2:]:                               # measured, stopped at the deadline, or not run
         assert rows[part]["steps"] or "FAILED" in rows[part]["note"] or "not run" in rows[part]["note"], rows[part]
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_says_so():
     p = subprocess.run([sys.executable, "tests/gpu_check.py"], cwd=ROOT, capture_output=True, text=True, check=False,
                        timeout=120, env=ENV)

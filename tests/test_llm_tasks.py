@@ -167,7 +167,7 @@ def test_gsm8k_missing_file_and_hub(tmp_path, monkeypatch):
 
 # ---- held-out problems never train ----
 
-@pytest.mark.parametrize("name", ["countdown", "maxdigit", "gsm8k"])
+@pytest.mark.parametrize("name", [pytest.param("countdown", marks=pytest.mark.slow), "maxdigit", "gsm8k"])
 def test_held_out_never_in_training(name, tmp_path):
     write_jsonl(tmp_path / "g.jsonl", 200)
     task = TASKS[name](eval_episodes=5, data=str(tmp_path / "g.jsonl"), overlong_cache=0, max_new_tokens=8, pass_k=1)
@@ -242,6 +242,19 @@ def test_evaluate_greedy_and_pass_at_k():
     got = task.evaluate(nines)
     assert [s["correct"] for s in got.pop("samples")] == [p["answer"] == "9" for p in task.eval_set]
     assert got == {"eval_acc": expected, "pass_at_k": expected}
+
+
+def test_each_rank_evaluates_its_share_and_the_hits_add_up():
+    """LLMTask.evaluate as rank r of 2, without a process group (all_sum is then the identity; over 2 gloo
+    ranks: test_dist's, slow with the tiny LM): rank r scores eval_set[r::2], and the ranks' accuracies add
+    up to one process's."""
+    task = MaxDigit(eval_episodes=8, data="", overlong_cache=0, max_new_tokens=2, pass_k=1)
+    policy = ScriptedLLM(lambda p, j, greedy: (max(p[:3]) if int(p[0]) % 2 else "x", False))   # odd first digit
+    alone = task.evaluate(policy)
+    ranks = [task.evaluate(policy, rank, 2) for rank in range(2)]
+    for rank, got in enumerate(ranks):
+        assert got["samples"] == alone["samples"][rank::2]
+    assert 0 < alone["eval_acc"] < 1 and sum(r["eval_acc"] for r in ranks) == alone["eval_acc"]
 
 
 def test_reward_weights_and_constructors():

@@ -174,7 +174,8 @@ def test_next_batches_timeout_keeps_what_it_took(serve):
 
 
 def test_leases_capacity_single_use_and_expiry(serve):
-    server, client = serve(max_staleness=1, batches_per_step=1, lease_timeout=0.5)   # room (1 + 1) * 1 = 2
+    # lease_timeout 1 s: lease b outlives the next requests (ms each) on a loaded machine too
+    server, client = serve(max_staleness=1, batches_per_step=1, lease_timeout=1.0)   # room (1 + 1) * 1 = 2
     (run, v1, a), (_, v2, b) = client.lease(), client.lease()
     assert v1 == v2 == 1 and client.lease() is None and client.retry_after > 0
     client.submit(make_batch(), a, run)
@@ -188,7 +189,7 @@ def test_leases_capacity_single_use_and_expiry(serve):
         client.submit(make_batch(), "", run)
     assert e.value.status == 400
     assert client.lease() is None                                   # 1 queued + lease b = 2: full
-    time.sleep(0.6)                                                 # b expires: its slot comes back
+    time.sleep(1.1)                                                 # b expires: its slot comes back
     assert client.lease() is not None and server.counters["leases_expired"] == 1
     with pytest.raises(Rejected) as e:
         client.submit(make_batch(), b, run)
@@ -241,9 +242,10 @@ def test_empty_token_and_gone_trainer(serve):
     assert client.info()["version"] == 1
     server.stop()
     t0 = time.time()
-    with pytest.raises(TrainerGone):
+    with pytest.raises(TrainerGone, match="Connection refused"):   # refused at once: no socket timeout waited
         client.info()["version"]
-    assert time.time() - t0 < 2, "a worker must notice soon that the trainer is gone"
+    # within its 0.05 s patience, not its 5 s socket timeout: 4 s is a margin a loaded machine keeps
+    assert time.time() - t0 < 4, "a worker must notice soon that the trainer is gone"
 
 
 # ---- hostile input: every request gets a 4xx, nothing queued is lost, nothing is unpickled ----
@@ -431,30 +433,32 @@ def test_a_batch_due_now_is_waited_for_not_overtaken(serve):
 
 
 def test_a_step_waits_for_a_due_lease_only_while_it_proves_life(serve):
-    """k = 1, lease_timeout 0.5 s. Lease a at v1 is due at v2: while its worker renews it, the step waits for
-    it (3 lease_timeouts here); once the renewals stop (kill -9), the step goes on within lease_timeout."""
-    server, client = serve(max_staleness=1, lease_timeout=0.5)
+    """k = 1, lease_timeout 1 s. Lease a at v1 is due at v2: while its worker renews it, the step waits for
+    it (1.5 lease_timeouts here); once the renewals stop (kill -9), the step goes on within lease_timeout.
+    Margins a loaded machine keeps: a renewal (every 0.2 s) may come 0.8 s late; the step may take 2 s
+    more than lease_timeout, far from the 30 s it would wait for a lease that never expired."""
+    server, client = serve(max_staleness=1, lease_timeout=1.0)
     _, _, due = client.lease()
     server.publish(2, {"w": torch.zeros(3)})
     submit(client, make_batch(version=2, seed=2))
     with client.keep_alive(due), pytest.raises(TimeoutError):
         server.next_batches(1, 2, timeout=1.5)
     t0 = time.monotonic()
-    got = server.next_batches(1, 2, timeout=5)
-    assert time.monotonic() - t0 < 0.5 + 0.3 and same_batch(got[0], make_batch(version=2, seed=2))
+    got = server.next_batches(1, 2, timeout=30)
+    assert time.monotonic() - t0 < 1.0 + 2.0 and same_batch(got[0], make_batch(version=2, seed=2))
     assert server.counters["leases_expired"] == 1
 
 
 def test_leases_prove_life_and_a_worker_holds_at_most_its_cap(serve):
-    server, client = serve(max_staleness=2, lease_timeout=0.4)     # room (2 + 1) * 1 = 3
+    server, client = serve(max_staleness=2, lease_timeout=1.0)     # room (2 + 1) * 1 = 3
     (run, _, alive), (_, _, silent) = client.lease(), client.lease()
     assert client.lease() is None and server.counters["leases_refused"] == 1            # the cap, not the room:
     other = TrainerClient(client.url, TOKEN, patience=0.05)                           # another worker gets the 3rd
     assert other.lease() is not None
-    with client.keep_alive(alive):                                                    # renewed every 0.08 s
-        time.sleep(1.2)
+    with client.keep_alive(alive):              # renewed every 0.2 s: one may come 0.8 s late, on a loaded machine
+        time.sleep(2.0)
     assert server.counters["leases_expired"] == 2                                     # the two silent ones
-    client.submit(make_batch(), alive, run)                                           # 3 lease_timeouts later
+    client.submit(make_batch(), alive, run)                                           # 2 lease_timeouts later
     with pytest.raises(Rejected) as e:
         client.submit(make_batch(), silent, run)
     assert e.value.status == 409
@@ -554,7 +558,9 @@ def test_idle_and_trickling_clients_cannot_hold_the_server(serve):
         if hard != resource.RLIM_INFINITY and hard < 1200:
             pytest.skip(f"ulimit -n: the hard limit {hard} is too low for 500 idle sockets + the server's")
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard) if hard != resource.RLIM_INFINITY else 2048, hard))
-    server, client = serve(timeout=1.0)                 # headers + body within 1 s
+    # headers + body within 2 s. A step of the honest worker takes ms; the margins below (1 s for a step,
+    # 1.5 s for stop()) are a loaded machine's, and still under the 2 s a step held by a trickler would take
+    server, client = serve(timeout=2.0)
     port = server.port
 
     def trickle():
@@ -575,23 +581,24 @@ def test_idle_and_trickling_clients_cannot_hold_the_server(serve):
             slowest = max(slowest, time.monotonic() - t)
         return slowest, v
     trickler = trickle()
-    slowest, v = work(1.5, [trickler], 1)
-    trickler.settimeout(2)
-    assert trickler.recv(100).startswith(b"HTTP/1.1 408 ") and slowest < 0.5   # cut at its deadline
+    slowest, v = work(2.5, [trickler], 1)
+    trickler.settimeout(10)
+    assert trickler.recv(100).startswith(b"HTTP/1.1 408 ") and slowest < 1.0   # cut at its deadline
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(500)]
     tricklers = [trickle()]
     slowest, v = work(0.5, tricklers, v)
-    assert slowest < 0.5
+    assert slowest < 1.0
     t = time.monotonic()
     server.stop()
-    assert time.monotonic() - t < 1.0                   # with 256 idle sockets and a trickler connected
+    assert time.monotonic() - t < 1.5                   # with 256 idle sockets and a trickler connected
     for s in idle + tricklers:
         s.close()
 
 
 def test_finish_answers_410_to_every_request_and_to_the_lease_waiting(serve):
     """k = 0: one lease fills the room, so another worker's lease waits (a long poll). finish(grace) answers
-    that poll, the holder's renewal and any later request 410 with the run id, and returns after grace s."""
+    that poll at once (before the grace ends), the holder's renewal and any later request 410 with the run
+    id, and returns after grace s (+ 3 s: a margin a loaded machine keeps)."""
     import threading
     server, client = serve(max_staleness=0)
     _, _, held = client.lease()
@@ -605,7 +612,8 @@ def test_finish_answers_410_to_every_request_and_to_the_lease_waiting(serve):
     poll.start()
     time.sleep(0.5)                                                 # it waits for room
     t0 = time.monotonic()
-    finisher = threading.Thread(target=server.finish, args=(1.5,))
+    returned = []
+    finisher = threading.Thread(target=lambda: (server.finish(1.5), returned.append(time.monotonic())))
     finisher.start()
     poll.join(5)
     with pytest.raises(Rejected) as renew:
@@ -613,7 +621,7 @@ def test_finish_answers_410_to_every_request_and_to_the_lease_waiting(serve):
     finisher.join(5)
     took = time.monotonic() - t0
     (waited, at), = heard
-    assert [waited.status, renew.value.status] == [410, 410] and at - t0 < 1.0 and 1.4 < took < 2.5
+    assert [waited.status, renew.value.status] == [410, 410] and at < returned[0] and 1.4 < took < 1.5 + 3
     assert f"run {server.run} finished" in str(waited) and f"run {server.run} finished" in str(renew.value)
 
 
@@ -632,19 +640,20 @@ def read_answer(sock, pace: float) -> tuple[int, bytes]:
 
 
 def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
-    """200 MB of weights, server timeout 0.5 s. A reader paced to take 5 timeouts (never pausing for one) gets
-    every byte; a reader that stops reading is cut a timeout or two after its last byte moved."""
-    server, _ = serve(timeout=0.5)
-    server.publish(2, {"w": torch.arange(50 << 20, dtype=torch.float32)})
+    """50 MB of weights, server timeout 1 s. A reader paced to take 3 timeouts (never pausing for one, which
+    leaves a loaded machine 1 s) gets every byte; a reader that stops reading is cut a timeout or two after its
+    last byte moved (+ 3 s: a loaded machine's margin; never cut, it would hold its connection for good)."""
+    server, _ = serve(timeout=1.0)
+    server.publish(2, {"w": torch.arange(50 << 18, dtype=torch.float32)})    # far over the socket buffers
     weights = server._blobs["weights"]
     ask = (f"GET /weights?version=2&run={server.run} HTTP/1.1\r\n"
            f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(ask)
         t0 = time.monotonic()
-        status, body = read_answer(s, pace=len(weights) / 2.5)
+        status, body = read_answer(s, pace=len(weights) / 3.0)
     took = time.monotonic() - t0
-    assert status == 200 and len(body) == len(weights) and body == weights and took > 2.0
+    assert status == 200 and len(body) == len(weights) and body == weights and took > 2.5
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(ask)
         got = len(s.recv(1 << 20))                                  # then stops reading
@@ -655,21 +664,26 @@ def test_a_slow_download_gets_every_byte_and_a_stalled_one_is_cut(serve):
         with contextlib.suppress(ConnectionResetError):
             while piece := s.recv(1 << 16):
                 got += len(piece)
-        assert 0.4 < cut < 2.5 and got < len(weights), (cut, got)
+        assert 0.9 < cut < 2 + 3 and got < len(weights), (cut, got)
 
 
-def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil():
+@pytest.mark.parametrize("busy_threads", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil(monkeypatch, busy_threads):
     """stop() ends every connection at once: one accepted as it began (its handler not yet started) and one
     whose cancel Python 3.10/3.11's wait_for swallowed (its read completed in the same loop turn) included.
-    Three busy threads starve the server's loop of the GIL, as a worker thread and torch did in CI, where a
-    worker's long-poll hung past stop() and the worker outlived its test. Before the fix, 14 of 40 rounds
-    here left a client waiting out its socket timeout."""
+    In CI a worker thread and torch starved the server's loop of the GIL: a worker's long-poll hung past
+    stop(), and the worker outlived its test. Then, with other work beside the suite, stop()'s wait for the
+    cancelled handlers timed out (0.1 s) and the loop stopped with their sockets' closes still queued: 3
+    clients of 40 waited out their socket timeouts. Here every such wait times out at once, so each round
+    meets that race (before the fix every round hung a client; with 3 busy threads, 54 of 80 clients hung)."""
     import threading
+    wait = asyncio.wait
+    monkeypatch.setattr(asyncio, "wait", lambda tasks, timeout: wait(tasks, timeout=0))
     busy = threading.Event()
     def spin():
         while not busy.is_set():
             pass
-    spinners = [threading.Thread(target=spin) for _ in range(3)]
+    spinners = [threading.Thread(target=spin) for _ in range(busy_threads)]
     for t in spinners:
         t.start()
     outcomes = []

@@ -199,6 +199,7 @@ def used(tmp_path):
     return [int(r["step"]) for r in rows], int(rows[-1]["used"])
 
 
+@pytest.mark.slow
 def test_rehearsal_countdown_two_nodes_on_loopback(tmp_path, tiny_lm):
     """countdown.yaml as 2 nodes x 2 "GPUs": node 0 runs torchrun with 2 trainer ranks, node 1 two HF
     workers that find the trainer through the head of SKYPILOT_NODE_IPS (both loopback addresses, but
@@ -217,6 +218,7 @@ def test_rehearsal_countdown_two_nodes_on_loopback(tmp_path, tiny_lm):
         assert f"worker: http://127.0.0.1:{env['PORT']}," in w and re.search(r"exiting after \d+ batches", w), w
 
 
+@pytest.mark.slow
 def test_rehearsal_gsm8k_2gpu_async_one_node(tmp_path, tiny_lm):
     """gsm8k_2gpu_async.yaml: the trainer ("GPU 0") and one HF worker ("GPU 1") on one node."""
     data = tmp_path / "gsm8k.jsonl"

