@@ -241,7 +241,10 @@ def test_llm_processes_share_the_cores_and_control_takes_one_thread(tmp_path, mo
     finally:
         for p in procs:
             p.kill()
+            p.wait()
         torch.set_num_threads(before)
+        for checkout_ in (mine, theirs):                # their folders in the temp dir, one per test run
+            shutil.rmtree(checkout_.RUNNING, ignore_errors=True)
 
 
 def one_line_error(p, expected):
