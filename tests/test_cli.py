@@ -111,7 +111,8 @@ def test_runs_never_overwrite_each_other_in_one_process(tmp_path, monkeypatch):
     train(parse_config(["--config", os.path.join(ROOT, "configs", "cartpole_ppo.yaml"), "--steps", "1",
                         "--solve-at", "0"]))
     assert (tmp_path / "runs" / "cartpole_ppo.csv").exists()        # named after its config
-    with pytest.raises(ValueError, match="nothing is overwritten: continue that run with --resume runs/cartpole_ppo.pt"):
+    with pytest.raises(ValueError, match="nothing is overwritten: continue that run with --resume "
+                                         "runs/cartpole_ppo.pt"):
         train(parse_config(["--out", "runs/cartpole_ppo", "--steps", "1"]))   # an explicit name that exists
 
 
@@ -131,7 +132,8 @@ def test_ctrl_c_saves_and_prints_the_command_that_resumes_it(tmp_path, monkeypat
     assert p.returncode == 130 and "Traceback" not in err, err
     assert out.splitlines()[-1] == f"    python {TRAIN} --resume part.pt"   # the exact command, printed last
     done = torch.load(tmp_path / "part.pt")["step"]
-    assert 7 <= done < 1000 and [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 1)]
+    assert 7 <= done < 1000
+    assert [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 1)]
     monkeypatch.chdir(tmp_path)
     train(parse_config([*out.splitlines()[-1].split()[2:], "--steps", str(done + 2)]))   # that command, on
     assert [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 3)]
@@ -240,7 +242,10 @@ def test_llm_processes_share_the_cores_and_control_takes_one_thread(tmp_path, mo
     finally:
         for p in procs:
             p.kill()
+            p.wait()
         torch.set_num_threads(before)
+        for checkout_ in (mine, theirs):                # their folders in the temp dir, one per test run
+            shutil.rmtree(checkout_.RUNNING, ignore_errors=True)
 
 
 def one_line_error(p, expected):
