@@ -70,10 +70,9 @@ def test_runs_never_overwrite_each_other(tmp_path):
     assert p.returncode == 1 and "nothing is overwritten: continue that run with --resume runs/cartpole_ppo.pt" in p.stderr
 
 
-@pytest.mark.slow
-def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weights(tmp_path):
-    args = ["--steps", 40, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
-    assert run(TRAIN, *args, "--out", "full", cwd=tmp_path).returncode == 0
+def ctrl_c_mid_run(args, tmp_path):
+    """Run train.py --out part, Ctrl-C it once its CSV has 8 rows -> (its stdout, the step saved). It exits 130
+    without a traceback and prints the command that resumes it last."""
     p = subprocess.Popen([sys.executable, TRAIN, *map(str, args), "--out", "part"], cwd=tmp_path, env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
@@ -84,7 +83,14 @@ def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weigh
     out, err = p.communicate(timeout=60)
     assert p.returncode == 130 and "Traceback" not in err, err
     assert out.splitlines()[-1] == f"    python {TRAIN} --resume part.pt"   # the exact command, printed last
-    done = torch.load(tmp_path / "part.pt")["step"]
+    return out, torch.load(tmp_path / "part.pt")["step"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_the_printed_command_resumes_to_the_uninterrupted_weights(tmp_path):
+    args = ["--steps", 40, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
+    assert run(TRAIN, *args, "--out", "full", cwd=tmp_path).returncode == 0
+    out, done = ctrl_c_mid_run(args, tmp_path)
     assert 7 <= done < 40
     r = run(*out.splitlines()[-1].split()[1:], cwd=tmp_path)         # that command, as printed
     assert r.returncode == 0, r.stderr
@@ -121,17 +127,7 @@ def test_ctrl_c_saves_and_prints_the_command_that_resumes_it(tmp_path, monkeypat
     mid-run saves, exits 130 without a traceback and prints the resume command last, which continues the run
     (here in this process; that a resume reaches the uninterrupted weights: test_train)."""
     args = ["--steps", 1000, "--n-prompts", 4, "--solve-at", 0, "--eval-every", 5]
-    p = subprocess.Popen([sys.executable, TRAIN, *map(str, args), "--out", "part"], cwd=tmp_path, env=ENV,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not (os.path.exists(tmp_path / "part.csv") and len(rows(tmp_path / "part.csv")) >= 8):
-        assert time.time() < deadline and p.poll() is None, "the run never got going"
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)                                       # Ctrl-C, mid-run
-    out, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and "Traceback" not in err, err
-    assert out.splitlines()[-1] == f"    python {TRAIN} --resume part.pt"   # the exact command, printed last
-    done = torch.load(tmp_path / "part.pt")["step"]
+    out, done = ctrl_c_mid_run(args, tmp_path)
     assert 7 <= done < 1000
     assert [x["step"] for x in rows(tmp_path / "part.csv")] == [str(i) for i in range(done + 1)]
     monkeypatch.chdir(tmp_path)
