@@ -178,7 +178,7 @@ def train(cfg):
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
     snapshots = Snapshots(cfg.max_staleness)
-    server = serve(cfg, task, policy, world) if cfg.role == "trainer" and rank == 0 else None
+    server = start_server(cfg, task, policy, world) if cfg.role == "trainer" and rank == 0 else None
     if server:                                          # listening before a file is written: a taken port
         log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")   # leaves no CSV without a .pt
     if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
@@ -534,7 +534,7 @@ def make_optimizer(cfg, policy):
     return Adam(groups, lr=cfg.lr)
 
 
-def serve(cfg, task, policy, world):
+def start_server(cfg, task, policy, world):
     """--role trainer, rank 0: the server that publishes weights and takes the workers' batches."""
     per_rank = cfg.n_prompts // world                   # prompts in a worker's batch: one rank's share
     try:
@@ -738,7 +738,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
     min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
     now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
-    stop: agreed on before each micro-batch of epoch 0 (StopRun: no optimizer step taken yet)."""
+    stop: agreed before each of epoch 0's micro-batches but the first (train() agreed just before)."""
     mbs = batch.micro_batches(cfg.micro_batch)
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
@@ -750,7 +750,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            if epoch == 0 and stop is not None:         # every rank (stop is falsy until asked); no step yet
+            if epoch == 0 and i and stop is not None:   # every rank; no step yet (before mb 0: the rollout's)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
