@@ -201,3 +201,38 @@ def test_two_gloo_ranks_equal_one_process_with_a_teacher(lms, tmp_path):
         assert kl2 == pytest.approx(kl, rel=1e-6)                              # over both ranks' tokens
         for a, b in zip(one, two, strict=True):
             assert torch.allclose(a, b, atol=1e-6, rtol=1e-4), (a - b).abs().max()
+
+
+def sharp(path, out):
+    """A teacher that knows what it wants: a tiny LM whose final norm is scaled x8 (logits x8, peaked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(8)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_async_trainer_scores_worker_batches_with_its_teacher_and_teacher_kl_falls(lms, tmp_path):
+    """The trainer loads the teacher and scores the workers' batches; the worker is told of a teacher folder
+    that does not exist, and runs: it never loads one."""
+    from test_async import rows, start, wait, wait_for_port, workers
+    port, teacher = free_port(), sharp(lms[1], str(tmp_path / "sharp"))
+    common = ["--task", "maxdigit", "--model", lms[0], "--algo", "opd", "--group-size", 4, "--n-prompts", 4,
+              "--max-new-tokens", 4, "--max-staleness", 1]
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "opd", "--steps", 20,
+                    "--eval-every", 0, "--solve-at", 0, "--lr", 5e-3, "--teacher", teacher, *common,
+                    log=tmp_path / "trainer.log")
+    ws = workers(port, 1, "--teacher", tmp_path / "no-such-teacher", *common, tmp=tmp_path)
+    try:
+        wait_for_port(port)
+        assert wait(trainer, 300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert wait(ws[0], 60) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
+    finally:
+        for p in [trainer, *ws]:
+            p.kill()
+    kl = [float(r["teacher_kl"]) for r in rows(tmp_path / "opd.csv") if r["step"] != "0"]
+    assert len(kl) == 20 and all(float(r["teacher_s"]) > 0 for r in rows(tmp_path / "opd.csv"))
+    assert sum(kl[-5:]) / 5 < 0.5 * sum(kl[:3]) / 3, kl
