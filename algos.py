@@ -61,19 +61,15 @@ def rloo(batch, policy):
 
 
 def opd(batch, policy, logp_teacher, logp_student):
-    """On-policy distillation (reverse KL, per token; Agarwal et al. 2024): the student samples, a frozen
-    teacher grades each sampled token, no reward needed:
+    """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each sampled
+    token, no reward needed; per token, a one-sample reverse KL as a negated reward:
         A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)],   0 where mask is 0
-    (prompt, padding, tool replies). Its policy gradient descends KL(pi_student || pi_teacher) token by token.
-    Both [N, T] log-probs are train.py's teacher_scores, bound by name, scored by the same HFPolicy.logprobs
-    path. log pi_student is the trainer's CURRENT weights' (update()'s logp_prox), in sync and async alike:
-    - not batch.logp, the sampler's: in async those are a worker's numbers, which the trainer never trusts,
-      and even honest ones differ by kernels (vLLM vs HF: SD 0.05 per token, straight into the advantage);
-      in sync too, decoding's log-probs are not scoring's to the bit, so a teacher equal to the student
-      would not give exactly 0;
-    - not logp_behav, the weights that sampled a stale async batch: the gradient is the current student's
-      KL, sampled from an older one, which update()'s min(1, pi_prox / pi_behav) already reweighs. In sync,
-      and for a fresh async batch, the three are the same weights."""
+    Both [N, T] are train.py's teacher_scores (one HFPolicy.logprobs path), bound by name. log pi_student is
+    the trainer's CURRENT weights' (update()'s logp_prox), sync and async. Not batch.logp: a worker's numbers,
+    never trusted, and even honest ones differ by kernels (vLLM vs HF: SD 0.05 per token, straight into A; a
+    teacher equal to the student would not give exactly 0). Not logp_behav, a stale batch's sampling weights:
+    the gradient is the current student's KL; update()'s min(1, pi_prox / pi_behav) reweighs older samples.
+    In sync and for a fresh async batch, logp_behav and logp_prox are the same weights'."""
     return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
 
 

@@ -84,10 +84,10 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
-    teacher: str = arg("", "frozen teacher for on-policy distillation (--algo opd, --distill-coef): a hub id or "
-                           "folder sharing --model's vocabulary (async: the trainer loads it, workers never)")
-    distill_coef: float = arg(0.0, "add c x opd's advantage (log pi_teacher - log pi_student per token) to the "
-                                   "algorithm's, e.g. GRPO + a teacher (0: off)")
+    teacher: str = arg("", "frozen teacher for on-policy distillation (--algo opd, --distill-coef): a hub "
+                           "id or folder with --model's vocabulary (async: only the trainer loads it)")
+    distill_coef: float = arg(0.0, "add c x opd's advantage (log pi_teacher - log pi_student per token) to "
+                                   "the algorithm's, e.g. GRPO + a teacher (0: off)")
     # LLM policy and sampling
     lora: bool = arg(False, "train LoRA adapters (PEFT) instead of all weights")
     lora_r: int = arg(16, "LoRA rank")
@@ -151,7 +151,8 @@ class Config:
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
-           "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap", "gap_out_frac", "zero_std_frac",
+           "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap",
+           "gap_out_frac", "zero_std_frac",
            "completion_len", "truncated_frac", "tool_calls", "tool_frac", "gen_s", "train_s", "step_s",
            "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
 
@@ -224,7 +225,8 @@ def train(cfg):
                 if cfg.distill_coef:
                     adv = adv + cfg.distill_coef * opd(batch, policy, **scores)[0]
                 # 3. update
-                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop) | distilled
+                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
+                stats.update(distilled)
                 # 4. publish (async), log, evaluate, checkpoint
                 if cfg.role == "trainer":
                     publish(policy, cfg, step + 1, snapshots, server)
@@ -315,7 +317,7 @@ def validate(cfg, world=1):
         (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS | {"opd"},  # returns: over mask-1 steps only
          f"--max-tool-calls needs --algo grpo, rloo or opd: {cfg.algo}'s returns would stop at a tool reply"),
         (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher),
-         f"--model, --lora, --max-tool-calls, --teacher are for LLM tasks; --task {cfg.task} trains an MLP: "
+         f"--model, --lora, --teacher, --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: "
          f"drop them"),
         (bool(cfg.teacher) != (cfg.algo == "opd") + bool(cfg.distill_coef),     # a teacher, and one use of it
          "--teacher MODEL (a hub id or folder with --model's vocabulary) goes with one of --algo opd (its "
@@ -531,33 +533,32 @@ def find_model(name, what="--model"):
 
 
 def make_teacher(cfg, policy):
-    """--teacher: an HFPolicy without LoRA, frozen (no grad, so no optimizer state; eval mode, as logprobs()
-    sets under no_grad; weights cast to --dtype, autocast's), scored by the policy's own path at the sampling
-    temperature (teacher_scores). It scores the student's token ids as they are, so its tokenizer must be the
-    student's: compared before its weights load (cross-tokenizer distillation is left out)."""
+    """--teacher: an HFPolicy without LoRA, frozen (no grad, so no optimizer state; eval mode under no_grad;
+    weights in --dtype), scored as the policy is, at the sampling temperature. It scores the student's ids
+    as they are, so the tokenizers must match: checked before its weights load (no cross-tokenizer case)."""
     from transformers import AutoTokenizer
     find_model(cfg.teacher, "--teacher")
     vocab = AutoTokenizer.from_pretrained(cfg.teacher).get_vocab()
     if vocab != policy.tok.get_vocab():
         raise ValueError(f"--teacher {cfg.teacher} has another vocabulary ({len(vocab)} tokens) than --model "
-                         f"{cfg.model} ({len(policy.tok)}): the teacher scores the student's own token ids, so "
-                         f"it must share its tokenizer (e.g. a larger model of the same family)")
+                         f"{cfg.model} ({len(policy.tok)}): the teacher scores the student's own token ids, "
+                         f"so it must share its tokenizer (e.g. a larger model of the same family)")
     teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, device=policy.device)
     teacher.model.requires_grad_(False).to(teacher.dtype)
     return teacher
 
 
-@torch.no_grad()
 def teacher_scores(teacher, policy, batch, cfg):
-    """The teacher's and the current weights' log-probs of this rank's sampled tokens, [N, T] each, scored as
-    update() scores (async: the trainer scores workers' batches) -> (algos.opd's inputs, by name; teacher_kl:
-    mean of log pi_student - log pi_teacher over all ranks' trained tokens, teacher_s: this rank's seconds)."""
+    """The teacher's and the current weights' log-probs of this rank's sampled tokens, [N, T] each, no grad,
+    scored as update() scores -> (algos.opd's inputs, by name; teacher_kl: log pi_student - log pi_teacher,
+    mean over all ranks' trained tokens; teacher_s: this rank's seconds in the teacher's forward)."""
     t0 = time.time()
     logp_teacher = torch.cat(score(teacher, batch, cfg.micro_batch))                 # [N, T]
     t1 = time.time()
     logp_student = torch.cat(score(policy, batch, cfg.micro_batch))                  # [N, T]
-    kl = all_sum(masked_sum(logp_student - logp_teacher, batch.mask).item()) / all_sum(batch.mask.sum().item())
-    return dict(logp_teacher=logp_teacher, logp_student=logp_student), dict(teacher_kl=kl, teacher_s=t1 - t0)
+    kl = masked_sum(logp_student - logp_teacher, batch.mask).item()
+    return (dict(logp_teacher=logp_teacher, logp_student=logp_student),
+            dict(teacher_kl=all_sum(kl) / all_sum(batch.mask.sum().item()), teacher_s=t1 - t0))
 
 
 def make_optimizer(cfg, policy):
@@ -869,10 +870,9 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """python train.py --export RUN.pt DIR: a trained LLM run as a plain Hugging Face folder (save_pretrained's
-    weights, config and generation_config, and the tokenizer), which --model, --teacher and transformers load.
-    LoRA is merged into the base (peft's merge_and_unload), done in fp32 and saved so: the trained weights
-    exactly, whatever --dtype the run computed in."""
+    """python train.py --export RUN.pt DIR: a trained LLM run as a plain Hugging Face folder (weights, config,
+    generation_config, tokenizer), which --model, --teacher and transformers load. LoRA is merged into the
+    base (peft's merge_and_unload) in fp32, saved so: the trained weights, whatever --dtype the run used."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
@@ -883,8 +883,7 @@ def export(args):
                          f"form: export an LLM run's <out>.pt")
     policy = make_policy(cfg, None)
     set_weights(policy, ck["policy"])               # every trained weight, by name
-    model = policy.model.merge_and_unload() if cfg.lora else policy.model
-    model.save_pretrained(out)
+    (policy.model.merge_and_unload() if cfg.lora else policy.model).save_pretrained(out)
     policy.tok.save_pretrained(out)
     print(f"exported {path} to {out}")
 
@@ -938,7 +937,7 @@ def read_yaml(path):
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill, sky cancel: like Ctrl-C
     try:
-        if sys.argv[1:2] == ["--export"]:               # not a training run: --export RUN.pt DIR
+        if sys.argv[1:2] == ["--export"]:               # python train.py --export RUN.pt DIR: no training
             export(sys.argv[2:])
         else:
             train(parse_config(sys.argv[1:]))
