@@ -65,11 +65,10 @@ def opd(batch, policy, logp_teacher, logp_student):
     token, no reward needed; per token, a one-sample reverse KL as a negated reward:
         A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)],   0 where mask is 0
     Both [N, T] are train.py's teacher_scores (one HFPolicy.logprobs path), bound by name. log pi_student is
-    the trainer's CURRENT weights' (update()'s logp_prox), sync and async. Not batch.logp: a worker's numbers,
-    never trusted, and even honest ones differ by kernels (vLLM vs HF: SD 0.05 per token, straight into A; a
-    teacher equal to the student would not give exactly 0). Not logp_behav, a stale batch's sampling weights:
-    the gradient is the current student's KL; update()'s min(1, pi_prox / pi_behav) reweighs older samples.
-    In sync and for a fresh async batch, logp_behav and logp_prox are the same weights'."""
+    the trainer's CURRENT weights' (update()'s logp_prox; in sync and for fresh async batches = logp_behav).
+    Not batch.logp: a worker's numbers, never trusted, and even honest ones differ by kernels (vLLM vs HF: SD
+    0.05 per token, straight into A; a teacher equal to the student would not give 0). Not logp_behav, a stale
+    batch's sampling weights: the gradient is the current student's KL (update() reweighs older samples)."""
     return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
 
 

@@ -226,7 +226,6 @@ def train(cfg):
                     adv = adv + cfg.distill_coef * opd(batch, policy, **scores)[0]
                 # 3. update
                 stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
-                stats.update(distilled)
                 # 4. publish (async), log, evaluate, checkpoint
                 if cfg.role == "trainer":
                     publish(policy, cfg, step + 1, snapshots, server)
@@ -234,9 +233,9 @@ def train(cfg):
                     stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
                 state.update(step=step, env_steps=state["env_steps"] + n_tok)
-                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, "gen_s": t1 - t0,
-                       "train_s": t2 - t1, "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0),
-                       "env_steps": state["env_steps"]}
+                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, **distilled,
+                       "gen_s": t1 - t0, "train_s": t2 - t1, "step_s": t2 - t0,
+                       "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row.update(evaluate(task, policy, cfg, log, rank, world))
                 held_out = row.pop("samples", [])              # an LLM task's evaluation: its completions
@@ -541,8 +540,7 @@ def make_teacher(cfg, policy):
     vocab = AutoTokenizer.from_pretrained(cfg.teacher).get_vocab()
     if vocab != policy.tok.get_vocab():
         raise ValueError(f"--teacher {cfg.teacher} has another vocabulary ({len(vocab)} tokens) than --model "
-                         f"{cfg.model} ({len(policy.tok)}): the teacher scores the student's own token ids, "
-                         f"so it must share its tokenizer (e.g. a larger model of the same family)")
+                         f"{cfg.model} ({len(policy.tok)}): use one with its tokenizer (same model family)")
     teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, device=policy.device)
     teacher.model.requires_grad_(False).to(teacher.dtype)
     return teacher
@@ -879,8 +877,7 @@ def export(args):
     ck = read_checkpoint(path, what="--export")
     cfg = Config(**{**ck["config"], "dtype": "float32"})
     if not cfg.is_llm:
-        raise ValueError(f"--export {path}: a --task {cfg.task} run trains an MLP, which has no Hugging Face "
-                         f"form: export an LLM run's <out>.pt")
+        raise ValueError(f"--export {path}: a --task {cfg.task} run trained an MLP: only LLM runs export")
     policy = make_policy(cfg, None)
     set_weights(policy, ck["policy"])               # every trained weight, by name
     (policy.model.merge_and_unload() if cfg.lora else policy.model).save_pretrained(out)

@@ -163,7 +163,7 @@ def test_export_round_trip_and_the_folder_loads_as_a_teacher(lms, tmp_path, lora
 
 def test_export_refuses_a_control_run_and_an_unreadable_file(tmp_path):
     train.train(Config(steps=1, n_prompts=2, eval_every=0, solve_at=0.0, out=str(tmp_path / "cp")))
-    with pytest.raises(ValueError, match="--export .*cp.pt: a --task cartpole run trains an MLP"):
+    with pytest.raises(ValueError, match="--export .*cp.pt: a --task cartpole run trained an MLP"):
         export([str(tmp_path / "cp.pt"), str(tmp_path / "hf")])
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="--export .*notes.pt is not a readable NanoRL checkpoint"):
