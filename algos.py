@@ -1,4 +1,4 @@
-"""Advantage estimators: the only thing REINFORCE, PPO, GRPO and RLOO disagree on.
+"""Advantage estimators: the only thing REINFORCE, PPO, GRPO, RLOO and on-policy distillation disagree on.
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
 pure (writes nothing onto the batch), zero wherever batch.mask is zero. Hyper-parameters bind by
@@ -59,9 +59,21 @@ def rloo(batch, policy):
     return _per_token(R - (R.sum(1, keepdim=True) - R) / (G - 1), batch), None
 
 
+def opd(batch, policy, logp_teacher, logp_student):
+    """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each sampled
+    token, no reward needed; per token, a one-sample reverse KL as a negated reward:
+        A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)],   0 where mask is 0
+    Both [N, T] are train.py's teacher_scores (one HFPolicy.logprobs path), bound by name. log pi_student is
+    the trainer's CURRENT weights' (update()'s logp_prox; in sync and for fresh async batches = logp_behav).
+    Not batch.logp: a worker's numbers, never trusted, and even honest ones differ by kernels (vLLM vs HF: SD
+    0.05 per token, straight into A; a teacher equal to the student would not give 0). Not logp_behav, a stale
+    batch's sampling weights: the gradient is the current student's KL (update() reweighs older samples)."""
+    return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
+
+
 # the three registries train.py reads: a new algorithm is its function here under its --algo name, and that
 # name in GROUP_ESTIMATORS if it compares a group's samples, in NEEDS_CRITIC if it needs a value head
 ESTIMATORS = dict(reinforce=reinforce, reinforce_baseline=reinforce_baseline, ppo=ppo,
-                  grpo=grpo, rloo=rloo)
-GROUP_ESTIMATORS = {"grpo", "rloo"}   # need --group-size >= 2; the only ones --max-tool-calls may use
+                  grpo=grpo, rloo=rloo, opd=opd)
+GROUP_ESTIMATORS = {"grpo", "rloo"}   # need --group-size >= 2; with opd, the only ones --max-tool-calls takes
 NEEDS_CRITIC = {"ppo"}                # get a critic (MLPPolicy's second trunk); refused for LLM tasks

@@ -9,8 +9,8 @@
     torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
     torchrun --nproc_per_node=8 train.py --config configs/countdown_qwen3_8b_lora.yaml   # 8 GPUs
 
-REINFORCE, PPO, GRPO and RLOO differ only in the advantage (algos.py); everything else is this
-file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
+REINFORCE, PPO, GRPO, RLOO and on-policy distillation differ only in the advantage (algos.py); the rest
+is this file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
 Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO
 mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
 target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC  # noqa: E402
+from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC, opd  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
 from tasks import TASKS, sample_record  # noqa: E402
@@ -89,6 +89,10 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
+    teacher: str = arg("", "frozen teacher for on-policy distillation (--algo opd, --distill-coef): a hub "
+                           "id or folder with --model's vocabulary (async: only the trainer loads it)")
+    distill_coef: float = arg(0.0, "add c x opd's advantage (log pi_teacher - log pi_student per token) to "
+                                   "the algorithm's, e.g. GRPO + a teacher (0: off)")
     # LLM policy and sampling
     lora: bool = arg(False, "train LoRA adapters (PEFT) instead of all weights")
     lora_r: int = arg(16, "LoRA rank")
@@ -152,7 +156,8 @@ class Config:
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
-           "clip_frac", "kl", "entropy", "grad_norm", "skipped", "logp_gap", "gap_out_frac", "zero_std_frac",
+           "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap",
+           "gap_out_frac", "zero_std_frac",
            "completion_len", "truncated_frac", "tool_calls", "tool_frac", "gen_s", "train_s", "step_s",
            "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
 
@@ -172,6 +177,7 @@ def train(cfg):
     log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
              + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
     policy = make_policy(cfg, task)
+    teacher = make_teacher(cfg, policy) if cfg.teacher else None
     opt = make_optimizer(cfg, policy)
     state = (load_checkpoint(cfg, policy, opt) if cfg.resume       # run_id: the trackers', kept by --resume
              else {"step": 0, "env_steps": 0, "run_id": secrets.token_hex(8)})
@@ -188,7 +194,7 @@ def train(cfg):
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
-    hparams = {k: getattr(cfg, k) for k in list(inspect.signature(estimator).parameters)[2:]}
+    keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
     row, t_loop = {}, time.time()
     with StopRequests() as stop:
         try:
@@ -213,8 +219,13 @@ def train(cfg):
                     logp_behav = None
                 stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
-                # 2. advantage: the only line that differs between algorithms
-                adv, target = estimator(batch, policy, **hparams)
+                # 2. advantage: the only line that differs between algorithms. With --teacher, this step's
+                # log-probs of the sampled tokens bind by name (opd), or c x opd's is added (--distill-coef)
+                scores, distilled = teacher_scores(teacher, policy, batch, cfg) if teacher else ({}, {})
+                bound = {**vars(cfg), **scores}
+                adv, target = estimator(batch, policy, **{k: bound[k] for k in keywords})
+                if cfg.distill_coef:
+                    adv = adv + cfg.distill_coef * opd(batch, policy, **scores)[0]
                 # 3. update
                 stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
                 # 4. publish (async), log, evaluate, checkpoint
@@ -224,9 +235,9 @@ def train(cfg):
                     stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
                 state.update(step=step, env_steps=state["env_steps"] + n_tok)
-                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, "gen_s": t1 - t0,
-                       "train_s": t2 - t1, "step_s": t2 - t0, "tokens_per_s": n_tok / (t2 - t0),
-                       "env_steps": state["env_steps"]}
+                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, **distilled,
+                       "gen_s": t1 - t0, "train_s": t2 - t1, "step_s": t2 - t0,
+                       "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row.update(evaluate(task, policy, cfg, log, rank, world))
                 held_out = row.pop("samples", [])              # an LLM task's evaluation: its completions
@@ -264,12 +275,13 @@ def train(cfg):
     return row
 
 
-# what the step line on stdout shows, [async][llm] (the CSV has every column)
+# what the step line on stdout shows, [async][llm], those in the row (the CSV has every column)
 SHOW = [[["reward", "eval_return", "loss"],
-         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "entropy", "kl"]],
+         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "entropy", "kl", "teacher_kl",
+          "teacher_s"]],
         [["reward", "eval_return", "staleness", "dropped_stale"],
-         ["reward", "eval_acc", "completion_len", "tool_frac", "staleness", "logp_gap", "dropped_stale",
-          "dropped_no_snapshot"]]]
+         ["reward", "eval_acc", "completion_len", "tool_frac", "staleness", "logp_gap", "teacher_kl",
+          "teacher_s", "dropped_stale", "dropped_no_snapshot"]]]
 
 
 # ---- helpers, in the order the loop calls them ----
@@ -278,7 +290,7 @@ SHOW = [[["reward", "eval_return", "loss"],
 BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens",
             "gen_batch"), lambda v: v >= 1, ">= 1"),
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
-            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls"),
+            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls", "distill_coef"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
           (("max_staleness",), lambda v: v >= 0, ">= 0 (0: only batches of the current weights)"),
           (("lr", "temperature", "batch_timeout", "lease_timeout"), lambda v: v > 0, "> 0"),
@@ -305,10 +317,14 @@ def validate(cfg, world=1):
          f"is 0): use --group-size 8, or --algo reinforce"),
         (cfg.algo in NEEDS_CRITIC and llm,
          f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
-        (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS,   # returns run over mask-1 steps only
-         f"--max-tool-calls needs --algo grpo or rloo: {cfg.algo}'s returns would stop at a tool reply"),
-        (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls),
-         f"--model, --lora, --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: drop them"),
+        (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS | {"opd"},  # returns: over mask-1 steps only
+         f"--max-tool-calls needs --algo grpo, rloo or opd: {cfg.algo}'s returns would stop at a tool reply"),
+        (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher),
+         f"--model, --lora, --teacher, --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: "
+         f"drop them"),
+        (bool(cfg.teacher) != (cfg.algo == "opd") + bool(cfg.distill_coef),     # a teacher, and one use of it
+         "--teacher MODEL (a hub id or folder with --model's vocabulary) goes with one of --algo opd (its "
+         "advantage alone) or --distill-coef C > 0 (added to --algo's): pass --teacher and one of them"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -504,7 +520,7 @@ def make_policy(cfg, task):
     return policy
 
 
-def find_model(name):
+def find_model(name, what="--model"):
     """--model is a local folder or a hub id (owner/name). Offline, transformers retries the hub for ~50 s
     and then never says a folder was looked for: check both here, in seconds, and say which failed."""
     import socket
@@ -520,9 +536,37 @@ def find_model(name):
             return
         except OSError as e:
             why = f"the hub ({host}) is unreachable ({e}; for a model in the hub cache, set HF_HUB_OFFLINE=1)"
-    raise ValueError(f"--model {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny "
+    raise ValueError(f"{what} {name}: no local folder {os.path.abspath(name)}, and {why}: build the tiny "
                      f"model with `python model.py runs/tiny-lm`, SmolLM2 as in "
                      f"configs/smollm2_addition.yaml, or pass a hub id")
+
+
+def make_teacher(cfg, policy):
+    """--teacher: an HFPolicy without LoRA, frozen (no grad, so no optimizer state; eval mode under no_grad;
+    weights in --dtype), scored as the policy is, at the sampling temperature. It scores the student's ids
+    as they are, so the tokenizers must match: checked before its weights load (no cross-tokenizer case)."""
+    from transformers import AutoTokenizer
+    find_model(cfg.teacher, "--teacher")
+    vocab = AutoTokenizer.from_pretrained(cfg.teacher).get_vocab()
+    if vocab != policy.tok.get_vocab():
+        raise ValueError(f"--teacher {cfg.teacher} has another vocabulary ({len(vocab)} tokens) than --model "
+                         f"{cfg.model} ({len(policy.tok)}): use one with its tokenizer (same model family)")
+    teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, device=policy.device)
+    teacher.model.requires_grad_(False).to(teacher.dtype)
+    return teacher
+
+
+def teacher_scores(teacher, policy, batch, cfg):
+    """The teacher's and the current weights' log-probs of this rank's sampled tokens, [N, T] each, no grad,
+    scored as update() scores -> (algos.opd's inputs, by name; teacher_kl: log pi_student - log pi_teacher,
+    mean over all ranks' trained tokens; teacher_s: this rank's seconds in the teacher's forward)."""
+    t0 = time.time()
+    logp_teacher = torch.cat(score(teacher, batch, cfg.micro_batch))                 # [N, T]
+    t1 = time.time()
+    logp_student = torch.cat(score(policy, batch, cfg.micro_batch))                  # [N, T]
+    kl = masked_sum(logp_student - logp_teacher, batch.mask).item()
+    return (dict(logp_teacher=logp_teacher, logp_student=logp_student),
+            dict(teacher_kl=all_sum(kl) / all_sum(batch.mask.sum().item()), teacher_s=t1 - t0))
 
 
 def make_optimizer(cfg, policy):
@@ -809,16 +853,16 @@ RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_eve
                      "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem"}
 
 
-def read_checkpoint(path, mmap=False):
-    """mmap: read the header (config, step) without the tensors."""
+def read_checkpoint(path, mmap=False, what="--resume"):
+    """mmap: read the header (config, step) without the tensors. what: the flag that named it."""
     import zipfile
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
         assert isinstance(ck, dict) and ck.get("format") == "nanorl-1", "not saved by NanoRL"
     except Exception as e:                          # torch's message suggests weights_only=False: never here
         why = f"{type(e).__name__}: {str(e)[:80]}" if zipfile.is_zipfile(path) else "not a torch zip file"
-        raise ValueError(f"--resume {path} is not a readable NanoRL checkpoint ({why}): "
-                         f"point --resume at a <out>.pt that train.py wrote, or start without it") from None
+        raise ValueError(f"{what} {path} is not a readable NanoRL checkpoint ({why}): "
+                         f"point {what} at a <out>.pt that train.py wrote") from None
     return ck
 
 
@@ -844,6 +888,24 @@ def load_checkpoint(cfg, policy, opt):
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {s}", flush=True)
     return {"step": s, "env_steps": ck["env_steps"], "run_id": ck.get("run_id")}   # None: older, a new one
+
+
+def export(args):
+    """python train.py --export RUN.pt DIR: a trained LLM run as a plain Hugging Face folder (weights, config,
+    generation_config, tokenizer), which --model, --teacher and transformers load. LoRA is merged into the
+    base (peft's merge_and_unload) in fp32, saved so: the trained weights, whatever --dtype the run used."""
+    if len(args) != 2:
+        raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
+    path, out = args
+    ck = read_checkpoint(path, what="--export")
+    cfg = Config(**{**ck["config"], "dtype": "float32"})
+    if not cfg.is_llm:
+        raise ValueError(f"--export {path}: a --task {cfg.task} run trained an MLP: only LLM runs export")
+    policy = make_policy(cfg, None)
+    set_weights(policy, ck["policy"])               # every trained weight, by name
+    (policy.model.merge_and_unload() if cfg.lora else policy.model).save_pretrained(out)
+    policy.tok.save_pretrained(out)
+    print(f"exported {path} to {out}")
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
@@ -904,7 +966,10 @@ if __name__ == "__main__":
         RUNNING.mkdir(exist_ok=True)
         me.touch()
     try:
-        train(parse_config(sys.argv[1:]))
+        if sys.argv[1:2] == ["--export"]:               # python train.py --export RUN.pt DIR: no training
+            export(sys.argv[2:])
+        else:
+            train(parse_config(sys.argv[1:]))
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
         # one 'error: ...' on stderr (rank 0 only under torchrun, which would print it once per rank), also
         # written to torchrun's error file, so its failure summary names the cause, not "To enable traceback"

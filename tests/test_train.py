@@ -164,7 +164,7 @@ BAD = [
     (dict(algo="rloo"), "--algo rloo needs --group-size >= 2"),
     (dict(model="gpt2"), "--task cartpole trains an MLP: drop them"),
     (dict(max_tool_calls=2), "--max-tool-calls are for LLM tasks; --task cartpole trains an MLP"),
-    (dict(max_tool_calls=2, algo="reinforce"), "--max-tool-calls needs --algo grpo or rloo: reinforce's"),
+    (dict(max_tool_calls=2, algo="reinforce"), "--max-tool-calls needs --algo grpo, rloo or opd: reinforce's"),
     (dict(inner_epochs=0), "--inner-epochs must be >= 1"),
     (dict(micro_batch=-1), "--micro-batch must be >= 0"),
     (dict(resume="/nonexistent/x.pt"), "--resume /nonexistent/x.pt: no such file"),
