@@ -320,11 +320,10 @@ def validate(cfg, world=1):
         (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS | {"opd"},  # returns: over mask-1 steps only
          f"--max-tool-calls needs --algo grpo, rloo or opd: {cfg.algo}'s returns would stop at a tool reply"),
         (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher),
-         f"--model, --lora, --teacher, --max-tool-calls are for LLM tasks; --task {cfg.task} trains an MLP: "
-         f"drop them"),
+         f"--model, --lora, --teacher, --max-tool-calls are for LLMs; {cfg.task} trains an MLP: drop them"),
         (bool(cfg.teacher) != (cfg.algo == "opd") + bool(cfg.distill_coef),     # a teacher, and one use of it
-         "--teacher MODEL (a hub id or folder with --model's vocabulary) goes with one of --algo opd (its "
-         "advantage alone) or --distill-coef C > 0 (added to --algo's): pass --teacher and one of them"),
+         "--teacher goes with one of --algo opd (its advantage alone) or --distill-coef C > 0 (added to "
+         "--algo's): pass --teacher and one of them"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),

@@ -1,6 +1,6 @@
 """Masked math on raw tensors, returns and GAE, Adam, torch.distributed plumbing and the logger.
 
-Invariant: every reduction over padded [N, T] tensors goes through masked_sum / masked_mean / whiten,
+Invariant: every reduction over padded [N, T] tensors goes through masked_sum / whiten,
 and every statistic that must match one process (whiten's mean and std) is summed over all ranks.
 """
 import csv
@@ -19,11 +19,6 @@ import torch.nn.functional as F
 
 def masked_sum(x, mask, dim=None):
     return (x * mask).sum(dim)
-
-
-def masked_mean(x, mask, dim=None):
-    """Mean over mask == 1. An empty mask gives 0, not NaN (documented, tested)."""
-    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
 def whiten(x, mask, eps=1e-8):

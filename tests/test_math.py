@@ -7,7 +7,7 @@ import torch
 from algos import grpo, reinforce, rloo
 from core import Batch, Trajectory
 from train import aggregate, policy_loss
-from utils import discounted_returns, gae, masked_mean, whiten
+from utils import discounted_returns, gae, masked_sum, whiten
 
 T = torch.tensor
 
@@ -39,13 +39,13 @@ def test_gae_terminated_truncated_padded():
     assert got.tolist() == [[1.0, 0.0, 0.0]]
 
 
-def test_whiten_and_masked_mean():
+def test_whiten_and_masked_sum():
     x, m = T([[1.0, 2, 3, 100]]), T([[1.0, 1, 1, 0]])
     # mean 2, population var (1 + 0 + 1) / 3 = 2/3, std .8165 -> [-1.2247, 0, 1.2247], padding 0
     w = whiten(x, m)
     assert torch.allclose(w, T([[-1.0, 0, 1, 0]]) * math.sqrt(1.5), atol=1e-6) and w[0, 3] == 0
-    assert masked_mean(x, m).item() == 2.0
-    assert masked_mean(x, torch.zeros_like(m)).item() == 0.0           # empty mask: 0, not NaN
+    assert masked_sum(x, m).item() == 6.0 and masked_sum(x, m, 1).tolist() == [6.0]   # 100 is padding
+    assert whiten(x, torch.zeros_like(m)).tolist() == [[0.0] * 4]        # empty mask: 0, not NaN
 
 
 def llm_batch(rewards, G):

@@ -129,10 +129,10 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_work(lms, tmp_p
 
 
 @pytest.mark.parametrize("kw,fix", [
-    (dict(algo="opd"), "--teacher MODEL"), (dict(algo="grpo", group_size=2, distill_coef=0.1), "--teacher MODEL"),
+    (dict(algo="opd"), "--teacher goes with"), (dict(algo="grpo", group_size=2, distill_coef=0.1), "--teacher goes"),
     (dict(algo="opd", teacher="t", distill_coef=0.1), "one of --algo opd"),
     (dict(algo="grpo", group_size=2, teacher="t"), "one of --algo opd"),
-    (dict(task="cartpole", model="", algo="opd", teacher="t"), "--teacher, --max-tool-calls are for LLM tasks"),
+    (dict(task="cartpole", model="", algo="opd", teacher="t"), "--teacher, --max-tool-calls are for LLMs; cartpole trains an MLP"),
     (dict(algo="grpo", group_size=2, teacher="t", distill_coef=-1.0), "--distill-coef must be >= 0")])
 def test_bad_teacher_settings_name_the_fix(kw, fix):
     with pytest.raises(ValueError, match=fix):

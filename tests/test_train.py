@@ -162,8 +162,8 @@ def test_csv_has_the_documented_columns(tmp_path):
 BAD = [
     (dict(algo="grpo", group_size=1), "--algo grpo needs --group-size >= 2"),
     (dict(algo="rloo"), "--algo rloo needs --group-size >= 2"),
-    (dict(model="gpt2"), "--task cartpole trains an MLP: drop them"),
-    (dict(max_tool_calls=2), "--max-tool-calls are for LLM tasks; --task cartpole trains an MLP"),
+    (dict(model="gpt2"), "cartpole trains an MLP: drop them"),
+    (dict(max_tool_calls=2), "--max-tool-calls are for LLMs; cartpole trains an MLP"),
     (dict(max_tool_calls=2, algo="reinforce"), "--max-tool-calls needs --algo grpo, rloo or opd: reinforce's"),
     (dict(inner_epochs=0), "--inner-epochs must be >= 1"),
     (dict(micro_batch=-1), "--micro-batch must be >= 0"),
