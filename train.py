@@ -424,17 +424,13 @@ class StopRequests:
     """Ctrl-C or SIGTERM (sky cancel, a spot notice; torchrun forwards both) stops within seconds, not after a
     step of minutes: a generation at once (at_once), the update before its next micro-batch of epoch 0; ranks
     agree (agree(), a scalar all-reduce) before anything changes, and the last finished step is saved exactly.
-    Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded). Falsy until
-    asked."""
+    Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded)."""
 
     def __init__(self):
         self.asked, self.generating = 0.0, False       # asked: time.monotonic() of the first signal
 
-    def __bool__(self):
-        return self.asked > 0
-
     def __call__(self, signum, frame):                  # the signal handler
-        if not self:
+        if not self.asked:
             self.asked = time.monotonic()
             # os.write, not print(): the main thread may be inside print() when the signal comes
             os.write(2, f"\n{signal.Signals(signum).name}: stopping, saving the last finished step (send it "
@@ -450,7 +446,7 @@ class StopRequests:
         collective (raising elsewhere left weights half-stepped, or a rank gone from a collective: no .pt)."""
         self.generating = True
         try:
-            if self:
+            if self.asked:
                 raise StopRun
             yield
         finally:
@@ -458,7 +454,7 @@ class StopRequests:
 
     def agree(self, where):
         """Every rank learns whether any was asked to stop, and all raise StopRun(where) together."""
-        if all_sum(float(bool(self))):
+        if all_sum(float(self.asked > 0)):
             raise StopRun(where)
 
     def __enter__(self):                                # only the main thread may set signal handlers
@@ -721,7 +717,7 @@ def wait_for_batches(server, n, version, timeout, stop):
     """Rank 0: n batches, or n times a TimeoutError after `timeout` s, or a StopRun once a stop is asked
     (Ctrl-C, SIGTERM): waiting in short slices, so that a stop never waits out --batch-timeout."""
     deadline = time.monotonic() + timeout
-    while not stop:
+    while not stop.asked:
         try:
             return server.next_batches(n, version, min(1.0, max(deadline - time.monotonic(), 0.0)))
         except TimeoutError:                            # the usable batches it took are back in the queue
