@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from http import HTTPStatus
 from http.client import HTTPException
+from time import monotonic
 from urllib.parse import parse_qsl
 
 import safetensors.torch
@@ -68,8 +69,8 @@ def describe(tensors):
 
 
 def batch_to_bytes(batch, lease, run):
-    tensors = {f: v for f, v in vars(batch).items() if isinstance(v, torch.Tensor)}
-    return tensors_to_bytes(tensors, {"version": str(batch.version), "lease": lease, "run": run})
+    return tensors_to_bytes({f: v for f, v in vars(batch).items() if torch.is_tensor(v)},
+                            {"version": str(batch.version), "lease": lease, "run": run})
 
 
 def wire_spec(limits, T):
@@ -103,7 +104,7 @@ def batch_from_bytes(data, limits):
         if t[f].dtype != dtype or t[f].shape != shape:
             raise ValueError(f"{f} {t[f].dtype} {list(t[f].shape)} is not this run's {dtype} {list(shape)}: "
                              f"this run takes {P} prompts x {G} samples")
-        if dtype.is_floating_point and not torch.isfinite(t[f]).all():
+        if not torch.isfinite(t[f]).all():                            # ids and flags are always finite
             raise ValueError(f"NaN or inf in {f}")
     if not 0 < T <= prompt + L:
         raise ValueError(f"T {T} is not in 1..{prompt + L}: {prompt} prompt + {L} completion tokens" if llm
@@ -115,7 +116,7 @@ def batch_from_bytes(data, limits):
     m = t["mask"]
     start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
     # a completion: 1s, with a run of 0s for each tool reply inserted (--max-tool-calls), and nothing else
-    if not (((m == 0) | (m == 1)).all() and m.sum(1).min() >= 1 and batch.tool_replies().max() <= tools
+    if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.tool_replies().max() <= tools
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
         raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
                          f"tokens) and span <= {L}, with runs of 0s inside only for tool replies, at most "
@@ -197,8 +198,8 @@ class WireServer:
     def start(self):
         """Listen (port 0: any free port, then self.port says which) and serve from a thread of its own."""
         self._loop = asyncio.new_event_loop()
-        listen = asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128)
-        self._server = self._loop.run_until_complete(listen)      # here, so that an error raises here
+        self._server = self._loop.run_until_complete(      # here, so that an error (a taken port) raises here
+            asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128))
         self.port = self._server.sockets[0].getsockname()[1]
         # joined by stop(): one still parsing a batch at exit aborted the trainer (SIGABRT, under torchrun)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trainer-server")
@@ -243,8 +244,7 @@ class WireServer:
         except (ValueError, asyncio.IncompleteReadError) as e:  # bad input below the endpoint; a request cut
             status, out = 400, {"error": str(e)}
         except asyncio.TimeoutError:                # a trickler (asyncio.timeout() would save a task: 3.11+)
-            status, out = 408, {"error": f"request not received in time: headers {HEAD_S:g} s, all of it "
-                                         f"{self.timeout:g} s"}
+            status, out = 408, {"error": f"not in time: headers {HEAD_S:g} s, all of it {self.timeout:g} s"}
         except asyncio.LimitOverrunError:
             status, out = 431, {"error": f"request line + headers over {MAX_HEAD} bytes"}
         except OSError:                             # reset by the peer
@@ -263,12 +263,12 @@ class WireServer:
             # ~660 times/s: 1.4 CartPole steps/s, 16.8 alone; held, 21.6 of 24.7)
             writer.write_eof()
             left = STRANGER_LINGER if writer in self._unknown else math.inf
-            until = time.monotonic() + LINGER_S
+            until = monotonic() + LINGER_S
             while left > 0 and (got := await asyncio.wait_for(reader.read(min(left, 1 << 16)),
-                                                              until - time.monotonic())):
+                                                              until - monotonic())):
                 left -= len(got)
             if left <= 0:
-                await asyncio.sleep(until - time.monotonic())
+                await asyncio.sleep(until - monotonic())
 
     async def _send(self, writer, data):
         """In CHUNKs (the transport copied a whole blob it could not send at once); cut only once stalled."""
@@ -308,8 +308,7 @@ class WireServer:
         if not n.isdecimal() or int(n) > self.max_body:
             raise Rejected(413 if n.isdecimal() else 400 if n else 411, f"POST needs a Content-Length of at "
                            f"most {self.max_body} bytes (this run's largest batch), got {n!r}")
-        body = await reader.readexactly(int(n))
-        out = endpoint(collections.defaultdict(str, parse_qsl(query)), body)
+        out = endpoint(collections.defaultdict(str, parse_qsl(query)), await reader.readexactly(int(n)))
         return await out if asyncio.iscoroutine(out) else out
 
 
@@ -339,7 +338,7 @@ class BatchQueue:
 
     def new_version(self, version):  # a publish: time per version; nothing taken yet
         with self._cv:
-            now = time.monotonic()
+            now = monotonic()
             self._step_s, self._published = now - self._published if self.version else 1.0, now
             self.version, self._taken = version, 0
 
@@ -358,18 +357,18 @@ class BatchQueue:
     def next_batches(self, n, current_version, timeout):
         """n usable batches, lowest version first; those with current_version - v > k are dropped and
         counted. TimeoutError after `timeout` s, with the usable ones taken so far put back in front."""
-        out, deadline = [], time.monotonic() + timeout
+        out, deadline = [], monotonic() + timeout
         with self._cv:
             if self._asked != current_version:     # its first ask since the publish: how long did it work on?
-                self._post_s = 0.8 * self._post_s + 0.2 * (time.monotonic() - self._published)
+                self._post_s = 0.8 * self._post_s + 0.2 * (monotonic() - self._published)
                 self._asked = current_version
             while len(out) < n:
                 while not self._ready(current_version):
-                    if time.monotonic() >= deadline:
+                    if monotonic() >= deadline:
                         self._queue = sorted(out + self._queue, key=lambda b: b.version)
                         self._taken -= len(out)
                         raise TimeoutError(f"{len(out)}/{n} batches in {timeout} s: are workers running?")
-                    self._cv.wait(min(0.25, deadline - time.monotonic()))  # wakes on submits; leases expire
+                    self._cv.wait(min(0.25, deadline - monotonic()))  # wakes on submits; leases expire
                 b = self._queue.pop(0)
                 if current_version - b.version > self.k:       # sampled more than k versions ago
                     self.count("dropped_stale")
@@ -386,7 +385,7 @@ class BatchQueue:
         return bool(self._queue) and not (due and self._queue[0].version > min(due))
 
     def _live(self):  # -> the leases, less (counted) each silent, too old or useless one: read them only so
-        now = time.monotonic()
+        now = monotonic()
         for lid, (v, _, alive, granted) in list(self._leases.items()):
             if alive < now or now - granted > self.lease_life or self.version - v > self.k:
                 del self._leases[lid]
@@ -395,7 +394,7 @@ class BatchQueue:
 
     def grant(self, worker):     # {lease: id, version}, or why there is none
         with self._cv:
-            now = time.monotonic()
+            now = monotonic()
             held = sum(w == worker for _, w, *_ in self._live().values())
             # lease only as far ahead (versions, <= k) as a batch takes to make, less what the trainer's work
             # after a publish hides: a full queue made batches k stale; async CartPole collapsed 1 run in 2
@@ -418,7 +417,7 @@ class BatchQueue:
 
     def renew(self, lid):
         with self._cv:
-            self._held(lid)[2] = time.monotonic() + self.lease_timeout
+            self._held(lid)[2] = monotonic() + self.lease_timeout
 
     def accept(self, batch, lid):  # the lease is used up
         with self._cv:
@@ -427,7 +426,7 @@ class BatchQueue:
                 raise ValueError(f"batch version {batch.version} is outside [{leased}, {self.version}]: "
                                  f"its lease's version .. the current one")
             del self._leases[lid]
-            made = time.monotonic() - granted
+            made = monotonic() - granted
             self._gen_s = made if self._gen_s == math.inf else 0.8 * self._gen_s + 0.2 * made
             self.put(batch)
 
@@ -446,8 +445,7 @@ class TrainerServer(WireServer, BatchQueue):
                                        "fingerprint": fingerprint, "names": self.names},
             "POST /lease": self._lease, "POST /renew": lambda q, b: self.renew(q["lease"]),
             "GET /weights": lambda q, b: self._blob(q, "weights"), "POST /batch": self._submit,
-            "GET /adapter": lambda q, b: self._blob(q, "adapter"),
-        }, max_body, host, port, timeout)
+            "GET /adapter": lambda q, b: self._blob(q, "adapter")}, max_body, host, port, timeout)
         BatchQueue.__init__(self, max_staleness, batches_per_step, lease_timeout, lease_life)
         self.limits, self.run = limits, secrets.token_hex(8)
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
@@ -486,9 +484,9 @@ class TrainerServer(WireServer, BatchQueue):
         if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
             raise Rejected(400, f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")
         wait_s = min(int(wait), self.timeout / 2) if wait.isdecimal() else 0
-        until = time.monotonic() + wait_s
+        until = monotonic() + wait_s
         while isinstance(lease := self.grant(worker), str):
-            if time.monotonic() >= until:
+            if monotonic() >= until:
                 self.count("leases_refused")
                 # one that waited its wait out asks again at once; else about a step from now
                 hint = 0.0 if wait_s else min(max(self._step_s, 0.05), 60)
@@ -526,7 +524,7 @@ class TrainerClient:
     def _call(self, method, path, body=None, patience=None):
         """-> the answer's bytes, or its JSON."""
         patience = self.patience if patience is None else patience
-        deadline, delay = time.monotonic() + patience, 0.0
+        deadline, delay = monotonic() + patience, 0.0
         while True:
             time.sleep(delay)
             delay = min(2 * delay + self.backoff, 8.0)                  # 0, 1, 3, 7, .. x backoff, capped
@@ -541,9 +539,8 @@ class TrainerClient:
             except (OSError, HTTPException) as e:   # URLError is an OSError
                 if self.finished:                   # closed after saying so: no patience to wait out
                     raise Rejected(410, self.finished) from None
-                if time.monotonic() >= deadline:
-                    raise TrainerGone(f"no answer from {self.url} for {patience:g} s ({e}): the trainer "
-                                      f"is gone") from None
+                if monotonic() >= deadline:
+                    raise TrainerGone(f"{self.url} silent for {patience:g} s ({e}): trainer gone") from None
 
     def info(self, patience=None):
         return self._call("GET", "/info", patience=patience)
