@@ -35,7 +35,6 @@ class Batch:
     rewards: torch.Tensor           # [N, T]
     mask: torch.Tensor              # [N, T] float
     truncated: torch.Tensor         # [N] bool
-    group_id: torch.Tensor          # [N] long: row i belongs to prompt group_id[i]
     final_states: torch.Tensor | None  # [N, O] or None
     group_size: int
     version: int = 0                # weights version that sampled this batch (async)
@@ -50,7 +49,6 @@ class Batch:
             **{field: pad(field) for field in ("states", "actions", "logp", "rewards")},  # zero right-padded
             mask=pad("mask").float(),                                      # [N, T]
             truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
-            group_id=torch.arange(len(rows) // group_size).repeat_interleave(group_size),   # [N]
             final_states=None if final[0] is None else torch.stack(final),  # [N, O]
             group_size=group_size, version=version)
 

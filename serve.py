@@ -79,7 +79,7 @@ def wire_spec(limits, T):
     once killed a PPO trainer (TypeError); token rows ([N, T] ids) have none."""
     N, O, llm = limits["group_size"] * limits["n_prompts"], limits["obs_dim"], limits["prompt_len"] > 0
     return {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
-            "actions": (torch.long, (N, T)), "truncated": (torch.bool, (N,)), "group_id": (torch.long, (N,)),
+            "actions": (torch.long, (N, T)), "truncated": (torch.bool, (N,)),
             **dict.fromkeys(("logp", "rewards", "mask"), (torch.float32, (N, T))),
             **({} if llm else {"final_states": (torch.float32, (N, O))})}
 
@@ -109,9 +109,6 @@ def batch_from_bytes(data, limits):
     if not 0 < T <= prompt + L:
         raise ValueError(f"T {T} is not in 1..{prompt + L}: {prompt} prompt + {L} completion tokens" if llm
                          else f"T {T} is not in 1..{L}: this task's steps")
-    if not torch.equal(t["group_id"], torch.arange(P).repeat_interleave(G)):      # [N] 0, 0, .., 1, 1, ..
-        raise ValueError(f"group_id must be 0, 0, .., 1, 1, ..: each group's rows contiguous; this run takes "
-                         f"{P} prompts x {G} samples")
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
     m = t["mask"]
     start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0

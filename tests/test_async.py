@@ -568,7 +568,7 @@ def accepted_shape_batch(limits: dict, version: int, seed: int) -> Batch:
                  actions=torch.randint(A, (N, T), generator=g),
                  logp=torch.randn(N, T, generator=g) * pick(scales), mask=mask,
                  rewards=total * share / share.sum(1, keepdim=True) + pick([0.0, 1.0, 1e3]) * noise,
-                 truncated=torch.rand(N, generator=g) > 0.5, group_id=torch.arange(P).repeat_interleave(G),
+                 truncated=torch.rand(N, generator=g) > 0.5,
                  final_states=pick([None, torch.randn(N, O, generator=g) * pick(scales)]), group_size=G,
                  version=version)
 

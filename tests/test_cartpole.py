@@ -56,7 +56,7 @@ def test_rollout_equals_gymnasium_step_for_step(choose):
 def test_groups_share_a_start_and_eval_seeds_are_held_out():
     task = CartPole(eval_episodes=4)
     batch = task.rollout(Scripted(balance), [3, 4], group_size=3)
-    assert batch.group_id.tolist() == [0, 0, 0, 1, 1, 1]
+    assert batch.group_size == 3 and batch.grouped_rewards().shape == (2, 3)            # [n_prompts, G]
     s0 = batch.states[:, 0]                                                # [N, 4] initial states
     assert (s0[:3] == s0[0]).all() and (s0[3:] == s0[3]).all() and not (s0[0] == s0[3]).all()
     train_seeds = task.sample(10_000, np.random.default_rng(0))

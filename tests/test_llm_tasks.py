@@ -215,7 +215,7 @@ def test_rollout_bookkeeping():
     # overlong (max 4, cache 2): free up to 2 tokens; C=3 -> -0.5, C=4 -> -1
     # rewards: 1 + 0, 0 + 0, 1 - 1, 1 - 0.5
     assert policy.calls == [(2, 2, False)] and b.states.shape == (4, 8)            # T = 4 prompt + 4
-    assert torch.equal(b.group_id, torch.tensor([0, 0, 1, 1]))
+    assert b.group_size == 2 and b.n_prompts == 2
     assert torch.equal(b.truncated, torch.tensor([False, False, True, False]))
     assert torch.equal(b.states, b.actions)
     assert b.states[0].tolist() == [ord(c) for c in "381=8"] + [0, 0, 0]           # stop 0, then padding 0

@@ -48,7 +48,7 @@ def test_advantage_and_loss_by_hand():
     Loss at ratio 1 (token mean over 4 trained tokens): -(0.5 + 0 - 1.0 + 0.75) / 4 = -0.0625, and
     d loss / d logp_t = -A_t / 4: -0.125, 0, 0.25, -0.1875."""
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1.0]])
-    batch = Batch(states=None, actions=None, logp=None, rewards=None, mask=mask, truncated=None, group_id=None,
+    batch = Batch(states=None, actions=None, logp=None, rewards=None, mask=mask, truncated=None,
                   final_states=None, group_size=1)
     teacher = torch.tensor([[-9.0, -1.0, -0.5, -9.0], [-9.0, -9.0, -2.0, -0.25]])
     student = torch.tensor([[-7.0, -1.5, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])

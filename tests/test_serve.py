@@ -39,7 +39,7 @@ def make_batch(version=1, N=4, G=2, T=5, llm=False, seed=0, V=50):
         states, rewards = torch.randn(N, T, 4, generator=g) * mask[..., None], mask.clone()
     return Batch(states=states, actions=states.clone() if llm else torch.randint(0, 2, (N, T), generator=g) * mask.long(),
                  logp=-torch.rand(N, T, generator=g) * mask, rewards=rewards, mask=mask,
-                 truncated=torch.rand(N, generator=g) > 0.5, group_id=torch.arange(N // G).repeat_interleave(G),
+                 truncated=torch.rand(N, generator=g) > 0.5,
                  final_states=None if llm else torch.randn(N, 4, generator=g), group_size=G, version=version)
 
 
@@ -49,7 +49,7 @@ def submit(client, batch):
 
 
 def same_batch(a, b):
-    fields = ("states", "actions", "logp", "rewards", "mask", "truncated", "group_id", "final_states")
+    fields = ("states", "actions", "logp", "rewards", "mask", "truncated", "final_states")
     return (a.group_size, a.version) == (b.group_size, b.version) and all(
         (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y))
         for x, y in ((getattr(a, f), getattr(b, f)) for f in fields))
@@ -266,8 +266,7 @@ def raw_header(header: dict, data: bytes = b"") -> bytes:
 def bad_batches(marker):
     """Bodies for POST /batch that must each get a 400 (or 409: well-formed but no lease granted)."""
     good = make_batch()
-    t = {f: getattr(good, f) for f in ("states", "actions", "logp", "rewards", "mask", "truncated", "group_id",
-                                       "final_states")}
+    t = {f: getattr(good, f) for f in ("states", "actions", "logp", "rewards", "mask", "truncated", "final_states")}
     meta = {"version": "1", "lease": "x", "run": "r", "group_size": "2"}
     blob = batch_to_bytes(good, "x", "r")
     out = [b"", b"garbage", b"\x00" * 8, b"\xff" * 64, os.urandom(100), os.urandom(5000), pickle.dumps(Evil(marker)),
@@ -289,7 +288,7 @@ def bad_batches(marker):
             bad.view(-1)[3] = x
             cases.append({**t, f: bad})
     cases += [{**t, "actions": t["actions"][:, :3]}, {**t, "mask": t["mask"] * 2}, {**t, "extra": torch.ones(1)},
-              {**t, "group_id": torch.tensor([0, 1, 0, 1])}, {**t, "states": t["states"][:, :, :2]},
+              {**t, "group_id": torch.tensor([0, 0, 1, 1])}, {**t, "states": t["states"][:, :, :2]},
               {**t, "final_states": t["final_states"][:, :2]}, {**t, "states": t["states"].long()}]
     out += [tensors_to_bytes(c, meta) for c in cases]
     for k, vals in {"version": ["-1", "0", "99", "1.5", "abc", "", "1e3", " "], "group_size": ["0", "3", "-2", "x"],
@@ -493,8 +492,6 @@ def bad_for_the_run(limits, version=1):
         fn(x)
         return replace(batch, **{field: x})
     out = [("this run takes", make_batch(N=N + G, **kw)),                             # one prompt too many
-           ("this run takes", replace(b, group_size=1, group_id=torch.arange(N)) if G > 1 else
-            replace(b, group_size=2, group_id=torch.arange(N // 2).repeat_interleave(2))),
            ("is not in 1..", make_batch(N=N, T=prompt + L + 1, **kw)),                # T one past the budget
            ("is not in 1..", replace(b, **{f: getattr(b, f)[:, :0] for f in steps})),   # T 0: was a 500
            ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].zero_())),                # an empty row
@@ -543,9 +540,9 @@ def test_a_batch_this_run_cannot_produce_gets_400_with_the_reason(serve, llm):
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
     # a body is at most what this run's largest batch can be: refused on its Content-Length, unread. Both runs:
     # N = 4 rows; control T = 5, O = 4: states 4*5*4*4 = 320, actions 4*5*8 = 160, logp/rewards/mask 3*4*5*4 = 240,
-    # truncated 4, group_id 32, final_states 4*4*4 = 64; LLM T = 3 + 4 = 7: states and actions 2*4*7*8 = 448,
-    # logp/rewards/mask 3*4*7*4 = 336, truncated 4, group_id 32. 820 bytes either way, + a 16 KiB header
-    assert server.max_body == 820 + (16 << 10)
+    # truncated 4, final_states 4*4*4 = 64; LLM T = 3 + 4 = 7: states and actions 2*4*7*8 = 448,
+    # logp/rewards/mask 3*4*7*4 = 336, truncated 4. 788 bytes either way, + a 16 KiB header
+    assert server.max_body == 788 + (16 << 10)
     assert len(batch_to_bytes(make_batch(llm=llm, T=7 if llm else 5), "L" * 32, "R" * 16)) <= server.max_body
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert status_raw(server.port, {**auth, "Content-Length": str(server.max_body + 1)}) == 413
