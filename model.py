@@ -1,9 +1,8 @@
-"""Policies: MLPPolicy (control tasks), HFPolicy (an LLM: sample, score, train), VLLMGenerator (sample only),
-the tiny test LM. Protocol: act(...) samples without grad and returns the sampler's log-probs;
-logprobs(batch, entropy, entropy_grad) -> ([N, T] log-probs under the current parameters, with grad; [N, T]
-entropy if asked, else None: with grad only if entropy_grad, i.e. when the bonus weighs it, else only logged);
-ref_logprobs(batch) -> [N, T]; value(states) -> [N, T] or None; param_groups() -> {"actor": [...],
-"critic": [...]}, clipped separately."""
+"""Policies: MLPPolicy (control), HFPolicy (an LLM: sample, score, train), VLLMGenerator (sample only), the
+tiny test LM. Protocol: act(...) samples without grad, with the sampler's log-probs; logprobs(batch, entropy,
+entropy_grad) -> ([N, T] log-probs under the current weights, with grad; [N, T] entropy if asked, else None;
+with grad only if entropy_grad: the bonus weighs it, else only logged); ref_logprobs(batch) -> [N, T];
+value(states) -> [N, T] (critic); param_groups() -> {"actor": [...], "critic": [...]}, clipped separately."""
 import copy
 import functools
 import inspect
@@ -52,7 +51,7 @@ class MLPPolicy(nn.Module):
         return self.logprobs(batch, ref=True)[0]
 
     def value(self, states):
-        return None if self.critic is None else self.critic(states)[..., 0]  # [N, T]
+        return self.critic(states)[..., 0]                                   # [N, T]
 
     def param_groups(self):
         """{"actor": [...], "critic": [...] if any}: every net but the frozen reference (None is no net)."""
@@ -69,7 +68,6 @@ class _Text:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def reply_ids(self, tools, ids):
-        """tools.reply(the text of ids) as its own ids ([] for no reply)."""
         reply = tools.reply(self.decode(ids))
         return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
 
@@ -129,8 +127,7 @@ class HFPolicy(_Text, nn.Module):
 
     @torch.no_grad()
     def act(self, prompt_ids, group_size, greedy=False, tools=None):
-        """group_size samples per prompt, prompt-major -> [(completion [C], sampler logp [C], sampled [C],
-        truncated)]; tools: see tasks.LLMTask."""
+        """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
         rows = [p for p in prompt_ids for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
@@ -141,8 +138,7 @@ class HFPolicy(_Text, nn.Module):
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
         A tool reply is fed one id per step in place of a sample (rows stay in lockstep, the cache valid), as
         its own ids: re-encoding the decoded text can merge tokens across the seam, changing the log-probs."""
-        uniq, inv = _distinct(rows, self.device)                                          # inv [B]
-        ids, attn, pos = _left_pad(uniq, self.pad, self.device)                           # [U, P] each
+        ids, attn, pos, inv = _distinct_left_pad(rows, self.pad, self.device)         # [U, P] each, inv [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
         end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
         cache, steps = None, []                 # per step: (ids, sampler log-probs, fed a reply id), [B] each
@@ -164,8 +160,16 @@ class HFPolicy(_Text, nn.Module):
             # a row ends at its stop token (kept); cut inside a reply, at its call (the rest trains nothing)
             end = torch.where(done | replying, end, len(steps))
             done = done | (torch.isin(nxt, eos) & ~replying)
+            # a row whose text since its last reply holds tools.tool_stop gets tools.reply(its whole text)'s
+            # ids queued (vLLM stops on that string in new text: the same calls)
             if tools:
-                _call_tools(tools, self, nxt.tolist(), done.tolist(), completions, since, replies)
+                for b, (token, stopped) in enumerate(zip(nxt.tolist(), done.tolist())):
+                    if stopped:
+                        continue
+                    completions[b].append(token)
+                    if tools.tool_stop in self.decode(completions[b][since[b]:]):
+                        replies[b] = self.reply_ids(tools, completions[b])
+                        since[b] = len(completions[b]) + len(replies[b])
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
@@ -208,9 +212,6 @@ class HFPolicy(_Text, nn.Module):
                                              self.temperature, use_reentrant=False)
         return logp * mask, (ent * mask if entropy else None)
 
-    def value(self, states):
-        return None
-
     def param_groups(self):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
 
@@ -220,14 +221,14 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
     [mb, S, V], S = max(C), logits[i, j] predicting row i's completion token j. Each distinct prefix (prompt
     but last token) is forwarded once, with grad; each row's rest runs on its prefix's KV cache gathered to
     it, whose backward sums the rows' gradients into the prefix (tested: = per-row forwards, to rounding)."""
+    prefixes = [r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())]
+    pre, pre_attn, pre_pos, inv = _distinct_left_pad(prefixes, pad, ids.device)     # [U, L] each, inv [mb]
     T, S = ids.shape[1], int(C.max())
-    prefixes, inv = _distinct([r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())], ids.device)  # inv [mb]
     j = torch.arange(S, device=ids.device)
     at = P[:, None] - 1 + j                                                    # [mb, S] positions
     suffix = ids.gather(1, at.clamp(max=T - 1))     # [mb, S] last prompt token + completion (last: a target)
     attn, cache = (j < C[:, None]).long(), None                                # [mb, S] right padding
-    if max(map(len, prefixes)):
-        pre, pre_attn, pre_pos = _left_pad(prefixes, pad, ids.device)         # [U, L] each
+    if pre.shape[1]:                            # L = 0: every prompt is one token, no prefix
         cache = _prefix_cache()()
         model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
               logits_to_keep=1, **{cache_key: cache})
@@ -238,23 +239,15 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
                  **{cache_key: cache}).logits                                 # [mb, S, V]
 
 
-def _call_tools(tools, policy, nxt, done, completions, since, replies):
-    """HFPolicy's decoding step with tools: a row whose text since its last reply holds tools.tool_stop gets
-    tools.reply(its whole text)'s ids queued (vLLM stops on that string in new text: the same calls)."""
-    for b, token in enumerate(nxt):
-        if done[b]:
-            continue
-        completions[b].append(token)
-        if tools.tool_stop in policy.decode(completions[b][since[b]:]):
-            replies[b] = policy.reply_ids(tools, completions[b])
-            since[b] = len(completions[b]) + len(replies[b])
-
-
-def _distinct(seqs, device):
-    """Token lists -> (the distinct ones, first-seen order; [n] index of each list's among them)."""
+def _distinct_left_pad(seqs, pad, device):
+    """Token lists -> the distinct ones in first-seen order, left-padded to the longest (ids, attention mask,
+    position ids, [U, L] each), and [n] the index of each list's among them."""
     first = {}
     inv = [first.setdefault(tuple(x), len(first)) for x in seqs]
-    return [list(x) for x in first], torch.tensor(inv, device=device)
+    L = max(map(len, first))
+    ids = torch.tensor([[pad] * (L - len(x)) + list(x) for x in first], device=device)          # [U, L]
+    attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in first], device=device)     # [U, L]
+    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), torch.tensor(inv, device=device)      # pos [U, L]
 
 
 def _sample(logp):
@@ -263,14 +256,6 @@ def _sample(logp):
     cdf = logp.exp().cumsum(-1, dtype=torch.float64)                                            # [B, V]
     u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]           # [B, 1]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[1] - 1)            # [B]
-
-
-def _left_pad(seqs, pad, device):
-    """Token lists -> ids, attention mask, position ids, [n, L] each, left-padded to the longest."""
-    L = max(map(len, seqs))
-    ids = torch.tensor([[pad] * (L - len(x)) + x for x in seqs], device=device)                 # [n, L]
-    attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in seqs], device=device)      # [n, L]
-    return ids, attn, (attn.cumsum(1) - 1).clamp(min=0)                                         # pos [n, L]
 
 
 @functools.cache
@@ -293,9 +278,8 @@ def _prefix_cache():
 
         def expand(self, rows):
             """[U, H, L, D] per layer -> a frozen [len(rows), H, L, D]: row i reads prefix rows[i]."""
-            # index_select: its backward is 8x faster than [rows]'s
             out = PrefixCache([(layer.keys.index_select(0, rows), layer.values.index_select(0, rows))
-                               for layer in self.layers])
+                               for layer in self.layers])       # index_select: backward 8x faster than [rows]
             out.frozen = True
             return out
 
@@ -314,8 +298,7 @@ def _no_dropout(model):
 
 
 def _row_logprobs(logits, targets, temperature):
-    lp = torch.log_softmax(logits.float() / temperature, -1)       # [K, V] logits (any dtype) -> fp32
-    return lp.gather(1, targets[:, None])[:, 0]                                     # [K]
+    return torch.log_softmax(logits.float() / temperature, -1).gather(1, targets[:, None])[:, 0]    # [K]
 
 
 def _row_entropy(logits, temperature):

@@ -1,8 +1,6 @@
 """Tasks: sample(n) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
-
-Invariant: training prompts and held-out prompts are disjoint by construction, and every member
-of a group starts from the same prompt (the same initial state, for control).
-"""
+Invariant: training prompts and held-out prompts are disjoint by construction, and every member of a group
+starts from the same prompt (the same initial state, for control)."""
 import ast
 import hashlib
 import inspect
@@ -127,9 +125,8 @@ def countdown_reward(prompt, completion, answer):
     if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
         return 0.0
     # as strings: a number written '07' matches no str(number); checked before evaluating: values stay small
-    if sorted(re.findall("[0-9]+", expr)) != sorted(map(str, answer["numbers"])):
-        return 0.0
-    return float(_evaluate(expr) == answer["target"])
+    return float(sorted(re.findall("[0-9]+", expr)) == sorted(map(str, answer["numbers"]))
+                 and _evaluate(expr) == answer["target"])
 
 
 def calculator(expr):
@@ -193,8 +190,7 @@ def overlong_penalty(n_tokens, max_new_tokens, cache):
 
 
 def held_out(text):
-    """The held-out tenth: sha256 of the text % 10 == 0. Stable across processes and machines
-    (Python's hash() of a str is salted per process)."""
+    """The held-out tenth, by sha256: stable across processes and machines, unlike a str's salted hash()."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") % 10 == 0
 
 
