@@ -456,10 +456,9 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
                             unk_token="<|unk|>").save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
-                      bos_token_id=None)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, pad_token_id=0,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
+                      max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
     model.save_pretrained(path)

@@ -272,8 +272,7 @@ class LLMTask:
         if len(self.eval_set) < max(eval_episodes, 10):
             print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), "
                   f"so eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
-                  + (": use a larger --data file (a tenth of it is held out)" if data else ""),
-                  file=sys.stderr)
+                  + (": use a larger --data (a tenth of it is held out)" if data else ""), file=sys.stderr)
 
     def sample(self, n, rng):
         out = []

@@ -27,6 +27,7 @@ import contextlib  # noqa: E402
 import difflib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -89,10 +90,8 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
-    teacher: str = arg("", "frozen teacher for on-policy distillation (--algo opd, --distill-coef): a hub "
-                           "id or folder with --model's vocabulary (async: only the trainer loads it)")
-    distill_coef: float = arg(0.0, "add c x opd's advantage (log pi_teacher - log pi_student per token) to "
-                                   "the algorithm's, e.g. GRPO + a teacher (0: off)")
+    teacher: str = arg("", "frozen teacher model for --algo opd or --distill-coef (--model's vocabulary)")
+    distill_coef: float = arg(0.0, "add c x opd's advantage to --algo's, e.g. GRPO + a teacher (0: off)")
     # LLM policy and sampling
     lora: bool = arg(False, "train LoRA adapters (PEFT) instead of all weights")
     lora_r: int = arg(16, "LoRA rank")
@@ -108,8 +107,7 @@ class Config:
     thinking: bool = arg(False, "enable_thinking for hybrid-reasoning chat templates (Qwen3)")
     overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
-    max_tool_calls: int = arg(0, "calculator calls per completion, each reply inserted as context: no loss "
-                                 "(0: no tools; tasks.calculator)")
+    max_tool_calls: int = arg(0, "calculator calls per completion; replies are untrained context (0: none)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
     role: str = arg("sync", "sync: rollout and update here; trainer: serve weights, learn from workers' "
                             "batches; rollout: generate for --trainer-url", ["sync", "trainer", "rollout"])
@@ -157,9 +155,8 @@ QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "ev
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap",
-           "gap_out_frac", "zero_std_frac",
-           "completion_len", "truncated_frac", "tool_calls", "tool_frac", "gen_s", "train_s", "step_s",
-           "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
+           "gap_out_frac", "zero_std_frac", "completion_len", "truncated_frac", "tool_calls", "tool_frac",
+           "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
 
 
 def train(cfg):
@@ -200,10 +197,8 @@ def train(cfg):
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
                 row = {"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)}
-                held_out = row.pop("samples", [])       # an LLM task's evaluation: its completions
-                log.log(row)
                 log.info(f"before training (step 0): {task.metric} {row[task.metric]:.4g}")
-                log.samples(0, held_out)
+                log.log(row)
             for step in range(first, cfg.steps + 1):
                 t0 = time.time()
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
@@ -219,8 +214,7 @@ def train(cfg):
                     logp_behav = None
                 stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
-                # 2. advantage: the only line that differs between algorithms. With --teacher, this step's
-                # log-probs of the sampled tokens bind by name (opd), or c x opd's is added (--distill-coef)
+                # 2. advantage: the only line that differs between algorithms (--teacher: + opd's log-probs)
                 scores, distilled = teacher_scores(teacher, policy, batch, cfg) if teacher else ({}, {})
                 bound = {**vars(cfg), **scores}
                 adv, target = estimator(batch, policy, **{k: bound[k] for k in keywords})
@@ -240,11 +234,9 @@ def train(cfg):
                        "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row.update(evaluate(task, policy, cfg, log, rank, world))
-                held_out = row.pop("samples", [])              # an LLM task's evaluation: its completions
-                log.log(row)
                 log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
                              (time.time() - t_loop) / (step - first + 1))
-                log.samples(step, held_out, group_samples(policy, batch, adv))  # made only if written
+                log.log(row, group_samples(policy, batch, adv))         # the group: made only if written
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
                 if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
@@ -363,11 +355,8 @@ def validate(cfg, world=1):
 def free_name(cfg):
     """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
-    name, n = base, 1
-    while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
-        n += 1
-        name = f"{base}-{n}"
-    return name
+    names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
+    return next(name for name in names if not (os.path.exists(name + ".csv") or os.path.exists(name + ".pt")))
 
 
 def policy_name(cfg):
@@ -426,8 +415,7 @@ class StopRequests:
     agree (agree(), a scalar all-reduce) before anything changes, and the last finished step is saved exactly.
     Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded)."""
 
-    def __init__(self):
-        self.asked, self.generating = 0.0, False       # asked: time.monotonic() of the first signal
+    asked, generating = 0.0, False                      # asked: time.monotonic() of the first signal
 
     def __call__(self, signum, frame):                  # the signal handler
         if not self.asked:
@@ -475,9 +463,8 @@ def evaluate(task, policy, cfg, log, rank, world):
 
 
 def group_samples(policy, batch, adv):
-    """This rank's first group whose rewards differ (else its first; equal rewards, advantage 0, compare
-    nothing) as samples.jsonl records, made as they are written (rank 0): the G completions of one prompt
-    beside their rewards and advantages, GRPO's comparison in text. batch [N, T]."""
+    """samples.jsonl records of this rank's first group whose rewards differ (else its first), made as written
+    (rank 0): one prompt's G completions beside their rewards and advantages. batch [N, T]"""
     G, g = batch.group_size, int((~batch.equal_groups()).float().argmax())  # argmax: the first, 0 if none
     for i in range(g * G, g * G + G):
         trained = batch.mask[i].nonzero()[:, 0]          # the completion's sampled positions
@@ -537,9 +524,8 @@ def find_model(name, what="--model"):
 
 
 def make_teacher(cfg, policy):
-    """--teacher: an HFPolicy without LoRA, frozen (no grad, so no optimizer state; eval mode under no_grad;
-    weights in --dtype), scored as the policy is, at the sampling temperature. It scores the student's ids
-    as they are, so the tokenizers must match: checked before its weights load (no cross-tokenizer case)."""
+    """--teacher: a frozen HFPolicy (no grad, no optimizer state, eval mode, weights in --dtype) scored as the
+    policy is, on the student's ids: so the vocabularies must match, checked before its weights load."""
     from transformers import AutoTokenizer
     find_model(cfg.teacher, "--teacher")
     vocab = AutoTokenizer.from_pretrained(cfg.teacher).get_vocab()
@@ -552,9 +538,8 @@ def make_teacher(cfg, policy):
 
 
 def teacher_scores(teacher, policy, batch, cfg):
-    """The teacher's and the current weights' log-probs of this rank's sampled tokens, [N, T] each, no grad,
-    scored as update() scores -> (algos.opd's inputs, by name; teacher_kl: log pi_student - log pi_teacher,
-    mean over all ranks' trained tokens; teacher_s: this rank's seconds in the teacher's forward)."""
+    """[N, T] log-probs of this rank's sampled tokens, teacher's and current weights', scored as update() does
+    -> (algos.opd's inputs by name, {teacher_kl: mean of student - teacher over all ranks, teacher_s})"""
     t0 = time.time()
     logp_teacher = torch.cat(score(teacher, batch, cfg.micro_batch))                 # [N, T]
     t1 = time.time()
@@ -639,9 +624,7 @@ def rollout_worker(cfg, task, threads):
 
 
 def connect(client, cfg):
-    """The trainer's /info; a worker started first says at once that it waits, and for how long."""
-    with contextlib.suppress(TrainerGone):
-        return client.info(patience=0)
+    """The trainer's /info, waiting for it (a worker may start first): says at once for how long."""
     print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
           f"{cfg.trainer_patience:g} s) ...", flush=True)
     try:
@@ -808,14 +791,13 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
                 d = ref[i] - logp
                 per_tok["kl"] = torch.exp(d) - d - 1
                 loss = loss + cfg.kl_coef * aggregate(per_tok["kl"], m, cfg.loss_agg, denom)
-            scalars = {"pg_loss": pg}                   # logged as they are; per_tok, as per-token means
+            sums["pg_loss"] += pg.item()                # logged as they are; per_tok, as per-token means
             if target is not None:                      # critic: 0.5 (V - target)^2 per step
                 vf = aggregate(0.5 * (policy.value(mb.states) - target[s]) ** 2, m, "token", n_tok)
                 loss = loss + cfg.vf_coef * vf
-                scalars["vf_loss"] = vf
+                sums["vf_loss"] += vf.item()
             loss.backward()
-            for k, x in {"loss": loss, **scalars}.items():
-                sums[k] += x.item()
+            sums["loss"] += loss.item()
             for k, x in per_tok.items():
                 sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
         all_reduce_grads(policy.parameters())           # those with a gradient: frozen ones have none
@@ -838,8 +820,6 @@ def save_checkpoint(cfg, policy, opt, state):
                 "policy": {n: p.detach().cpu() for n, p in trainable(policy).items()},   # not a frozen base
                 "optimizer": opt.state_dict(), **state}, path + ".tmp")
     os.replace(path + ".tmp", path)
-    if cfg.lora:                                        # PEFT's on-disk format too: vLLM and PEFT load it
-        policy.model.save_pretrained(cfg.out + ".adapter")
 
 
 # what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
@@ -886,9 +866,8 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """python train.py --export RUN.pt DIR: a trained LLM run as a plain Hugging Face folder (weights, config,
-    generation_config, tokenizer), which --model, --teacher and transformers load. LoRA is merged into the
-    base (peft's merge_and_unload) in fp32, saved so: the trained weights, whatever --dtype the run used."""
+    """python train.py --export RUN.pt DIR: an LLM run as a plain Hugging Face folder (weights, tokenizer) for
+    --model, --teacher, transformers, vLLM; LoRA merged into the base, in fp32 whatever --dtype trained."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args

@@ -187,12 +187,15 @@ class Logger:
                 self.info(f"--report-to {name}: off for this run ({type(e).__name__}: {str(e)[:200]}): pip "
                           f"install {name}, log in or set its offline mode; the CSV has every row")
 
-    def log(self, row):
+    def log(self, row, group=()):
+        """A CSV row, to the trackers too; row["samples"] (LLM completions) and group go to samples()."""
+        held_out = row.pop("samples", [])
         if self.file:
             self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
             self.file.flush()
         for log, _ in self.trackers:
             log({k: v for k, v in row.items() if k != "step"}, row["step"])
+        self.samples(row["step"], held_out, group)
 
     def samples(self, step, held_out, group=()):
         """A line per sample in <out>.samples.jsonl (read it with head or jq): the first 8 held-out greedy
@@ -242,6 +245,5 @@ def open_tracker(name, out, run_id, config, resume_step):
         return log, writer.close
     lib = importlib.import_module(name)         # trackio has wandb's API: one code path for both
     run = lib.init(project="nanorl", name=os.path.basename(out), config=config,
-                   resume="allow" if resume_step else "never",
-                   **({"id": run_id} if name == "wandb" else {}))
+                   resume="allow" if resume_step else "never", **({"id": run_id} if name == "wandb" else {}))
     return lambda row, step: run.log(row, step=step), run.finish

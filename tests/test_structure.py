@@ -77,6 +77,8 @@ def test_every_config_smoke_runs_in_this_process(path, tmp_path, request, capsys
                  "--max-new-tokens", "2", "--eval-episodes", "2", "--gen-batch", "8", "--micro-batch", "2"]
         if "task: gsm8k" in open(path).read():
             args += ["--data", gsm8k_file(tmp_path)]
+        if "teacher:" in open(path).read():            # the tiny LM as its own teacher: same vocabulary
+            args += ["--teacher", request.getfixturevalue("tiny_lm")]
     threads = torch.get_num_threads()
     try:
         train.train(train.parse_config(["--config", path, *args]))
@@ -99,6 +101,8 @@ def test_every_config_smoke_runs(path, tmp_path, request):
                  "--eval-episodes", "2", "--gen-batch", "8", "--micro-batch", "4"]
         if "task: gsm8k" in open(path).read():
             args += ["--data", gsm8k_file(tmp_path)]
+        if "teacher:" in open(path).read():            # the tiny LM as its own teacher: same vocabulary
+            args += ["--teacher", request.getfixturevalue("tiny_lm")]
     p = subprocess.run([sys.executable, "train.py", "--config", path, *args], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
