@@ -160,14 +160,15 @@ class HFPolicy(_Text, nn.Module):
             # a row ends at its stop token (kept); cut inside a reply, at its call (the rest trains nothing)
             end = torch.where(done | replying, end, len(steps))
             done = done | (torch.isin(nxt, eos) & ~replying)
-            # a row whose text since its last reply holds tools.tool_stop gets tools.reply(its whole text)'s
-            # ids queued (vLLM stops on that string in new text: the same calls)
+            # new text with tools.tool_stop queues tools.reply(the whole text)'s ids (vLLM's calls too). New:
+            # since the last call, its last len(tool_stop) ids (>= 1 character each; all of them: quadratic)
             if tools:
                 for b, (token, stopped) in enumerate(zip(nxt.tolist(), done.tolist())):
                     if stopped:
                         continue
                     completions[b].append(token)
-                    if tools.tool_stop in self.decode(completions[b][since[b]:]):
+                    tail = completions[b][max(since[b], len(completions[b]) - len(tools.tool_stop)):]
+                    if tools.tool_stop in self.decode(tail):
                         replies[b] = self.reply_ids(tools, completions[b])
                         since[b] = len(completions[b]) + len(replies[b])
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column

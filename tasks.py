@@ -275,12 +275,8 @@ class LLMTask:
                   + (": use a larger --data (a tenth of it is held out)" if data else ""), file=sys.stderr)
 
     def sample(self, n, rng):
-        out = []
-        while len(out) < n:
-            p = self.problem(rng)
-            if not held_out(p["prompt"]):
-                out.append(p)
-        return out
+        draws = (self.problem(rng) for _ in itertools.count())          # lazily: the same draws as a loop
+        return list(itertools.islice((p for p in draws if not held_out(p["prompt"])), n))
 
     def eval_problems(self):
         """The first eval_episodes distinct held-out draws of one fixed seed (MaxDigit's 100 draws held 69
@@ -316,7 +312,8 @@ class LLMTask:
         """The text so far, just ending in tool_stop -> the reply to insert, or None: no call (no digit before
         the "="), or max_tool_calls replies already. The call is the run of calculator characters before the
         "="; a tool that raises replies with its error, for the model to learn from: the loop never raises."""
-        expr = re.search(r"[0-9+*/() -]*$", text.rpartition(self.tool_stop)[0])[0]
+        head = text.rpartition(self.tool_stop)[0]
+        expr = head[len(head.rstrip("0123456789+*/() -")):]      # linear; a regex's [..]*$ was quadratic
         if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
             return None
         try:

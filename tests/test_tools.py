@@ -32,6 +32,23 @@ def test_a_call_is_an_expression_and_equals_and_the_budget_counts_replies():
     assert task.reply("1+1=") == "<result>error: ZeroDivisionError: division by zero</result>"
 
 
+def test_the_call_is_the_run_of_calculator_characters_before_the_equals_read_in_linear_time():
+    """The expression a reply gets: the longest run of 0-9 + - * / ( ) and spaces ending at the last "=", as
+    the regex [0-9+*/() -]*\\Z finds it, in linear time: the regex it replaces was quadratic on long digit runs
+    (0.1 s on 4,000), and its $ also matched before a newline ("12*3\\n=" was a call)."""
+    import random
+    import re
+    task, rng, seen = Multiply(eval_episodes=2, max_tool_calls=1), random.Random(0), []
+    task.tool = lambda expr: seen.append(expr) or "ok"
+    for _ in range(300):
+        text = "".join(rng.choice("12 +*/()-x=a\n") for _ in range(rng.randint(0, 30))) + "="
+        seen.clear()
+        task.reply(text)
+        want = re.search(r"[0-9+*/() -]*\Z", text.rpartition("=")[0])[0]
+        assert seen == ([want] if re.search("[0-9]", want) else []), (text, seen, want)
+    assert task.reply("x" + "1" * 100_000 + "y 2*3=") == "<result>ok</result>" and seen[-1] == " 2*3"
+
+
 def shout(expr):
     return expr.strip() + "!"
 
