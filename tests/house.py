@@ -29,7 +29,11 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # Raised by issue 22, which was to add no net code tokens and did not pay its cost back yet: 22404 -> 22817
 # tokens, 2394 -> 2482 lines (the stop within seconds under torchrun, choices checked in validate(), the
 # stranger's byte cap, the port/YAML/tool errors, the samples group, this checkout's pid files). Owed.
-RATCHET = {"tokens": 22817, "nonblank": 2482, "width": 110, "func": 60, "class": 139}
+# Issue 23 (distillation, +539 tokens as written) landed with 316 tokens of simplification elsewhere (Batch.group_id,
+# masked_mean, the .adapter copy, serve/model/tasks/train passes) and issue 24's linear tool-call search (+56):
+# 22817 -> 23096 tokens, 2482 -> 2498 lines (the 2,500 budget). Still owed to issues 22 + 23's allowance: ~190
+# tokens. HFPolicy 139 -> 143 lines: the tool-reply loop inlined into _generate (one caller).
+RATCHET = {"tokens": 23096, "nonblank": 2498, "width": 110, "func": 60, "class": 143}
 
 
 def code_tokens(src: str) -> int:
