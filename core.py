@@ -8,7 +8,8 @@ O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch
 Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
 LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
 mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. A tool's reply
-inside a completion (--max-tool-calls) is context: its ids are in states, with mask 0 and logp 0.
+(--max-tool-calls) or the environment's next user turn (--max-turns) inside a completion is context: its ids
+are in states, with mask 0 and logp 0.
 """
 from dataclasses import dataclass, replace
 
@@ -82,7 +83,14 @@ class Batch:
         R = self.grouped_rewards()                                           # [n_prompts, G]
         return (R == R[:, :1]).all(1)
 
-    def tool_replies(self):
-        """Tool replies inserted in each row: the runs of 0s between runs of 1s in its mask."""
+    def insertions(self):
+        """Tool replies and user turns inserted in each row: the runs of 0s between runs of 1s in its mask."""
         starts = self.mask.diff(prepend=torch.zeros_like(self.mask[:, :1])) > 0       # [N, T] a run begins
         return starts.sum(1) - 1                                                      # [N]
+
+    def turns(self, eos):
+        """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if it was cut mid-turn.
+        Each turn but the last is followed by an inserted user turn: tool replies = holes - (turns - 1)."""
+        ended = torch.isin(self.states, torch.tensor(eos)) & (self.mask > 0)          # [N, T]
+        last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
+        return ended.sum(1) + ~torch.isin(self.states.gather(1, last[:, None])[:, 0], torch.tensor(eos))

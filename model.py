@@ -67,9 +67,28 @@ class _Text:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def reply_ids(self, tools, ids):
-        reply = tools.reply(self.decode(ids))
+    def reply_ids(self, env, ids):
+        reply = env.reply(self.decode(ids))
         return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+
+    def turn_ids(self, message):
+        """The ids that follow the model's end-of-turn token: the chat template's rendering of the next user
+        turn and the assistant header, cut from a whole chat after a marked assistant turn and its end token
+        (no template: the message's own ids, as encode_prompt's plain text)."""
+        if not self.tok.chat_template:
+            return self.tok(message, add_special_tokens=False)["input_ids"]
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
+                {"role": "user", "content": message}]
+        text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
+                                            enable_thinking=self.thinking)
+        ids = self.tok(text.partition(TURN_MARK)[2], add_special_tokens=False)["input_ids"]
+        if not ids or ids[0] not in self.eos:
+            raise ValueError(f"{self.tok.name_or_path}'s chat template ends no assistant turn with a stop id "
+                             f"{self.eos}: --max-turns needs a chat model whose template does")
+        return ids[1:]
+
+
+TURN_MARK = "<nanorl-turn>"     # an assistant turn's content, to find where the template's rendering goes on
 
 
 class HFPolicy(_Text, nn.Module):
@@ -126,24 +145,28 @@ class HFPolicy(_Text, nn.Module):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     @torch.no_grad()
-    def act(self, prompt_ids, group_size, greedy=False, tools=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
-        rows = [p for p in prompt_ids for _ in range(group_size)]
+        problems = problems or [None] * len(prompt_ids)         # read only by env.respond
+        rows = [(p, q) for p, q in zip(prompt_ids, problems) for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
-                    for s in self._generate(rows[i:i + self.gen_batch], greedy, tools)]
+                    for s in self._generate(rows[i:i + self.gen_batch], greedy, env)]
 
-    def _generate(self, rows, greedy, tools):
+    def _generate(self, rows, greedy, env):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
-        A tool reply is fed one id per step in place of a sample (rows stay in lockstep, the cache valid), as
-        its own ids: re-encoding the decoded text can merge tokens across the seam, changing the log-probs."""
-        ids, attn, pos, inv = _distinct_left_pad(rows, self.pad, self.device)         # [U, P] each, inv [B]
+        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call; the environment's next user
+        turn after an end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows
+        stay in lockstep, the cache valid), as their own ids: re-encoding the decoded text can merge tokens
+        across the seam, changing the log-probs."""
+        ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
         end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
-        cache, steps = None, []                 # per step: (ids, sampler log-probs, fed a reply id), [B] each
-        # per row: its completion's ids, where the text after its last call starts, reply ids still to feed
-        completions, since, replies = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
+        cache, steps = None, []                 # per step: (ids, sampler log-probs, inserted), [B] each
+        # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
+        completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
+        turns = [1] * len(rows)
         while len(steps) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self.cache_key: cache})
@@ -153,24 +176,31 @@ class HFPolicy(_Text, nn.Module):
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
-            replying = torch.tensor([bool(r) for r in replies], device=self.device)       # [B] fed a reply id
-            if any(replies):
-                nxt[replying] = torch.tensor([r.pop(0) for r in replies if r], device=self.device)
-            steps.append((nxt, torch.where(replying, 0.0, logp.gather(1, nxt[:, None])[:, 0]), replying))
-            # a row ends at its stop token (kept); cut inside a reply, at its call (the rest trains nothing)
-            end = torch.where(done | replying, end, len(steps))
-            done = done | (torch.isin(nxt, eos) & ~replying)
-            # new text with tools.tool_stop queues tools.reply(the whole text)'s ids (vLLM's calls too). New:
-            # since the last call, its last len(tool_stop) ids (>= 1 character each; all of them: quadratic)
-            if tools:
-                for b, (token, stopped) in enumerate(zip(nxt.tolist(), done.tolist())):
-                    if stopped:
-                        continue
-                    completions[b].append(token)
-                    tail = completions[b][max(since[b], len(completions[b]) - len(tools.tool_stop)):]
-                    if tools.tool_stop in self.decode(tail):
-                        replies[b] = self.reply_ids(tools, completions[b])
-                        since[b] = len(completions[b]) + len(replies[b])
+            feeding = torch.tensor([bool(r) for r in inserts], device=self.device)        # [B] inserted
+            if any(inserts):
+                nxt[feeding] = torch.tensor([r.pop(0) for r in inserts if r], device=self.device)
+            steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), feeding))
+            # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
+            end = torch.where(done | feeding, end, len(steps))
+            stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
+            # new text with env.tool_stop queues env.reply(the whole text)'s ids (vLLM's calls too); a turn's
+            # end, env.respond's next turn. New: since the insertion, its last len(tool_stop) ids (>= 1
+            # character each; all of them: quadratic)
+            for b, (token, going, ended) in enumerate(zip(nxt.tolist(), (~done).tolist(), stop.tolist())):
+                if not (env and going):
+                    continue
+                completions[b].append(token)
+                if ended and turns[b] < env.max_turns:
+                    message = env.respond(rows[b][1], self.decode(completions[b]))
+                    inserts[b] = [] if message is None else self.turn_ids(message)
+                    stop[b], turns[b] = message is None, turns[b] + 1
+                elif env.tool_stop and not ended:
+                    tail = completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):]
+                    if env.tool_stop in self.decode(tail):
+                        inserts[b] = self.reply_ids(env, completions[b])
+                if inserts[b]:                  # a call is looked for after it (the same while it is fed)
+                    since[b] = len(completions[b]) + len(inserts[b])
+            done = done | stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
         # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
@@ -413,35 +443,41 @@ class VLLMGenerator(_Text):
             if not os.path.samefile(folder, path):
                 shutil.rmtree(folder)
 
-    def act(self, prompt_ids, group_size, greedy=False, tools=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """HFPolicy.act's contract, one request per sample: vLLM splits an n-sample request into such ones
         anyway, sample j seeded seed + j (and refuses n > 1 when greedy). Seeds come from torch's RNG, which a
-        worker seeds per lease (as HFPolicy's): workers draw apart. Tools, token in, token out: a request
-        stops after tools.tool_stop, the next one goes on from its ids and the reply's."""
+        worker seeds per lease (as HFPolicy's): workers draw apart. Insertions, token in, token out: a request
+        stops after env.tool_stop or at a turn's end, the next goes on from its ids and the inserted ones."""
         from vllm import SamplingParams
-        tool_stop = tools and tools.tool_stop
-        samples = [[p, [], [], [], True] for p in prompt_ids for _ in range(group_size)]
-        todo = samples                  # per sample: prompt, completion ids, sampler logp, sampled, truncated
+        tool_stop = env and env.tool_stop
+        problems = problems or [None] * len(prompt_ids)
+        # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns
+        todo = samples = [[p, [], [], [], True, q, 1] for p, q in zip(prompt_ids, problems)
+                          for _ in range(group_size)]
         while todo:
             seed = None if greedy else int(torch.randint(2**30, ()))
             params = [SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
                                      max_tokens=self.max_new_tokens - len(s[1]),        # the default is 16
                                      logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
-                                     stop=[tool_stop] if tools else None, include_stop_str_in_output=True,
+                                     stop=tool_stop and [tool_stop], include_stop_str_in_output=True,
                                      seed=None if greedy else seed + j) for j, s in enumerate(todo)]
             prompts = [{"prompt_token_ids": s[0] + s[1]} for s in todo]                  # TokensPrompts
             pieces = vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False),
                                   self.eos, tool_stop)                          # this round's, per sample
-            calls = []
+            going = []
             for s, (ids, logp, sampled, truncated, called) in zip(todo, pieces):
-                s[1:] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
-                reply = self.reply_ids(tools, s[1]) if called else []
-                if called and len(s[1]) + len(reply) < self.max_new_tokens:     # else it ends at its call
-                    s[1:4] = s[1] + reply, s[2] + [0.0] * len(reply), s[3] + [False] * len(reply)
-                    calls.append(s)
-            todo = calls
+                s[1:5] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
+                insert = self.reply_ids(env, s[1]) if called else []
+                if env and not (called or truncated) and s[6] < env.max_turns:      # it ended its turn
+                    message = env.respond(s[5], self.decode(s[1]))
+                    s[4], s[6] = message is not None, s[6] + 1      # truncated, unless its next turn fits
+                    insert = [] if message is None else self.turn_ids(message)
+                if insert and len(s[1]) + len(insert) < self.max_new_tokens:    # else it ends where it is
+                    s[1:4] = s[1] + insert, s[2] + [0.0] * len(insert), s[3] + [False] * len(insert)
+                    going.append(s)
+            todo = going
         return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
-                 torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated in samples]
+                 torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated, *_ in samples]
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):

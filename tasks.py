@@ -131,15 +131,19 @@ def countdown_reward(prompt, completion, answer):
 
 def calculator(expr):
     """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: the expression is parsed,
-    never executed). Bounded: at most 64 characters in, 12 digits per number, 40 characters out (so a
-    result is at most ~60 digits before it is refused). Anything else is an error message, never raised."""
+    never executed), a fraction as a decimal rounded to 6 places (never '7/2': a verifier reads 2). Bounded:
+    at most 64 characters in, 12 digits per number, 40 characters out. Anything else is an error message,
+    never raised, with no digit in it (none to be read as an answer)."""
     expr = expr.strip()
     if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or re.search("[0-9]{13}", expr):
-        return "error: write at most 64 characters of digits (12 per number), + - * / ( ) and spaces"
+        return "error: write a short expression of digits, + - * / ( ) and spaces"
     value = _evaluate(expr)
     if value is None:
         return "error: not an arithmetic expression, or a division by zero"
-    return str(value) if len(str(value)) <= 40 else "error: the result is over 40 characters"
+    if value.denominator > 1:                   # exact: round() of a Fraction is an int
+        whole, part = divmod(round(abs(value) * 10**6), 10**6)
+        value = f"{'-' * (value < 0)}{whole}.{part:06d}".rstrip("0")
+    return str(value) if len(str(value)) <= 40 else "error: the result is too long"
 
 
 def countdown_problem(rng):
@@ -176,6 +180,11 @@ def gsm8k_reward(prompt, completion, answer):
     text = extract_answer(completion)
     got, ref = _last_number(completion if text is None else text), _last_number(answer)
     return float(got is not None and got == ref)
+
+
+def guess_reward(prompt, completion, answer):
+    """1.0 iff the last number the model wrote is the secret: the game ended solved."""
+    return float(_last_number(completion) == int(answer))
 
 
 def maxdigit_reward(prompt, completion, answer):
@@ -239,15 +248,19 @@ def load_gsm8k(path, split):
 
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; act(prompt_ids, G, greedy, tools) -> G samples per prompt, prompt-major, each (completion ids
-    [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
-    tensors; a tool reply's ids, inserted by the sampler, have sampled False and log-prob 0: context, never
-    trained. tools: None, or this task (stop string tool_stop, reply(text) -> text to insert). Procedural
-    tasks define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
-    rewards[0] is correctness (0/1): eval_acc and pass@k use it alone."""
+    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each
+    (completion ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool,
+    truncated) in CPU tensors. env: None, or this task, which answers mid-completion: after tool_stop (None:
+    no tool), reply(text so far) -> text to insert or None; after the model's end-of-turn token, up to
+    max_turns turns, respond(problem, text so far) -> the next user message, or None to end. The sampler
+    inserts their ids (sampled False, log-prob 0: context, never trained) and goes on. Procedural tasks
+    define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
+    rewards[0] is correctness (0/1): eval_acc and pass@k use it alone. The verifiers read the model's own
+    text, inserted spans cut (a calculator's reply is not the model's answer), unless reads_inserted."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     train_set = None                            # data-backed tasks: every training problem
+    reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
@@ -256,12 +269,13 @@ class LLMTask:
     tool_hint = " (A calculator: write an expression and =, like 12*34=, and it writes the value.)"
 
     def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1,
-                 max_tool_calls=0):
+                 max_tool_calls=0, max_turns=1):
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
-        self.pass_k, self.max_tool_calls = pass_k, max_tool_calls
-        self.tools = self if max_tool_calls else None       # what the sampler gets: stop and reply()
+        self.pass_k, self.max_tool_calls, self.max_turns = pass_k, max_tool_calls, max_turns
+        self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
-        if self.tools:                                      # a wrong signature would turn every reply into an
+        self.tool_stop = self.tool_stop if max_tool_calls else None     # None: the sampler looks for no call
+        if max_tool_calls:                                  # a wrong signature would turn every reply into an
             try:                                            # error (reward 0, training on): fail here instead
                 inspect.signature(self.tool).bind("12*34")
             except TypeError:
@@ -306,12 +320,13 @@ class LLMTask:
 
     def prompt_ids(self, encode, problems):
         """Prompt ids, + tool_hint with tools (held_out() reads the prompt alone: the same eval set)."""
-        return [encode(p["prompt"] + (self.tool_hint if self.tools else "")) for p in problems]
+        return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else "")) for p in problems]
 
     def reply(self, text):
         """The text so far, just ending in tool_stop -> the reply to insert, or None: no call (no digit before
         the "="), or max_tool_calls replies already. The call is the run of calculator characters before the
-        "="; a tool that raises replies with its error, for the model to learn from: the loop never raises."""
+        "="; a tool that raises replies with its error's name (no digits), for the model to learn from: the
+        loop never raises."""
         head = text.rpartition(self.tool_stop)[0]
         expr = head[len(head.rstrip("0123456789+*/() -")):]      # linear; a regex's [..]*$ was quadratic
         if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
@@ -319,7 +334,18 @@ class LLMTask:
         try:
             return f"<result>{self.tool(expr)}</result>"
         except Exception as e:
-            return f"<result>error: {type(e).__name__}: {e}</result>"
+            return f"<result>error: {type(e).__name__}</result>"
+
+    def respond(self, problem, text):
+        """After the model ended a turn (--max-turns > 1): the next user message, or None to end it all."""
+        return None
+
+    def graded(self, decode, ids, sampled):
+        """The text the verifiers read: the model's own runs of ids, each decoded, a line each (inserted spans
+        cut: '50', a turn, '75' is not 5075), or all of it if reads_inserted. ids [C], sampled [C] bool."""
+        if self.reads_inserted:
+            return decode(ids.tolist())
+        return "\n".join(decode(run) for own, run in runs(ids, sampled) if own)
 
     def score(self, problem, completion, n_tokens):
         r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
@@ -328,11 +354,11 @@ class LLMTask:
     def rollout(self, policy, prompts, group_size, greedy=False):
         ids = self.prompt_ids(policy.encode, prompts)
         rows = []
-        for i, (c, lp, sampled, trunc) in enumerate(policy.act(ids, group_size, greedy, self.tools)):
+        for i, (c, lp, sampled, trunc) in enumerate(policy.act(ids, group_size, greedy, self.env, prompts)):
             p, P = prompts[i // group_size], ids[i // group_size]
             tokens = torch.cat([torch.tensor(P), c])                                # [T] = [P + C]
             rewards = torch.zeros(len(tokens))                                      # [T]
-            rewards[-1] = self.score(p, policy.decode(c.tolist()), len(c))   # on the last completion token
+            rewards[-1] = self.score(p, self.graded(policy.decode, c, sampled), len(c))    # on the last token
             rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=trunc,
                                    logp=torch.cat([torch.zeros(len(P)), lp]),               # [T]
                                    mask=torch.cat([torch.zeros(len(P)), sampled.float()])))  # [T]
@@ -341,8 +367,8 @@ class LLMTask:
     def _solved(self, policy, problems, k, greedy):
         """How many problems have one of k samples correct (rewards[0] == 1); a samples.jsonl record each."""
         ids, fn, records = self.prompt_ids(policy.encode, problems), self.rewards[0][1], []
-        for i, (c, _, sampled, _) in enumerate(policy.act(ids, k, greedy, self.tools)):
-            p, text = problems[i // k], policy.decode(c.tolist())
+        for i, (c, _, sampled, _) in enumerate(policy.act(ids, k, greedy, self.env, problems)):
+            p, text = problems[i // k], self.graded(policy.decode, c, sampled)
             records.append(sample_record(policy.decode, p["prompt"], c, sampled, kind="eval",
                                          reward=self.score(p, text, len(c)),
                                          correct=fn(p["prompt"], text, p["answer"]) == 1.0))
@@ -361,11 +387,16 @@ class LLMTask:
         return out
 
 
+def runs(ids, sampled):
+    """[C] ids, [C] bool -> [(sampled, ids)]: the completion's runs, the model's own and the inserted ones."""
+    pairs = itertools.groupby(zip(ids.tolist(), sampled.tolist()), key=lambda pair: pair[1])
+    return [(own, [token for token, _ in run]) for own, run in pairs]
+
+
 def sample_record(decode, prompt, ids, sampled, **fields):
     """A completion as <out>.samples.jsonl shows it: the text of the very ids that were scored (ids [C]) and,
-    if a tool replied, each reply's text in order (the runs of sampled == False, [C] bool, inside it)."""
-    runs = itertools.groupby(zip(ids.tolist(), sampled.tolist()), key=lambda pair: pair[1])
-    replies = [decode([token for token, _ in run]) for own, run in runs if not own]
+    if a tool or the environment replied, each reply's text in order (the runs of sampled == False)."""
+    replies = [decode(run) for own, run in runs(ids, sampled) if not own]
     return {"prompt": prompt, "completion": decode(ids.tolist()), **fields,
             **({"tool_replies": replies} if replies else {})}
 
@@ -417,10 +448,37 @@ class Addition(LLMTask):
 
 class Multiply(Addition):
     """'What is 37 * 48?': the product of two 2-digit numbers, which SmolLM2-135M-Instruct cannot work out
-    in its head; the calculator (--max-tool-calls) can."""
-    op = "*"
+    in its head; the calculator (--max-tool-calls) can: its verifier reads the calculator's replies too."""
+    op, reads_inserted = "*", True
+
+
+class Guess(LLMTask):
+    """Guess the number (--max-turns 7): a secret in lo..hi (at most 100 numbers); after each wrong guess the
+    environment's turn says whether the secret is higher or lower, all a binary search needs (2^7 > 100).
+    Solved iff the model's last guess is the secret. GuessBlind, the control, says only that it is wrong."""
+    rewards, informative = [(1.0, guess_reward)], True
+
+    def problem(self, rng):
+        lo = int(rng.integers(1, 51))
+        hi = lo + int(rng.integers(20, 100))
+        return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
+                          f"number only. If it is wrong, I will tell you, and you guess again.",
+                "answer": str(int(rng.integers(lo, hi + 1)))}
+
+    def respond(self, problem, text):
+        """The last number in the text so far (the environment's turns have none) is the model's guess."""
+        guess, secret = _last_number(text), int(problem["answer"])
+        if guess == secret:
+            return None
+        if guess is None or not self.informative:
+            return "Wrong. Guess again."
+        return f"Wrong: my number is {'higher' if guess < secret else 'lower'}. Guess again."
+
+
+class GuessBlind(Guess):
+    informative = False
 
 
 # --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
-         "addition": Addition, "multiply": Multiply}
+         "addition": Addition, "multiply": Multiply, "guess": Guess, "guess_blind": GuessBlind}

@@ -108,6 +108,8 @@ class Config:
     overlong_cache: int = arg(0, "DAPO overlong shaping over the last N tokens of the budget (0: off)")
     pass_k: int = arg(0, "also report pass@k on the held-out set with k samples (0: off)")
     max_tool_calls: int = arg(0, "calculator calls per completion; replies are untrained context (0: none)")
+    max_turns: int = arg(1, "model turns per episode: the task's environment answers each but the last with "
+                            "a user turn, untrained context (1: one turn)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
     role: str = arg("sync", "sync: rollout and update here; trainer: serve weights, learn from workers' "
                             "batches; rollout: generate for --trainer-url", ["sync", "trainer", "rollout"])
@@ -156,7 +158,7 @@ QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "ev
 COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
            "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap",
            "gap_out_frac", "zero_std_frac", "completion_len", "truncated_frac", "tool_calls", "tool_frac",
-           "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
+           "turns", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
 
 
 def train(cfg):
@@ -229,7 +231,7 @@ def train(cfg):
                     stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
                 state.update(step=step, env_steps=state["env_steps"] + n_tok)
-                row = {"step": step, **batch_stats(batch, cfg.max_tool_calls), **stats, **distilled,
+                row = {"step": step, **batch_stats(batch, cfg, policy), **stats, **distilled,
                        "gen_s": t1 - t0, "train_s": t2 - t1, "step_s": t2 - t0,
                        "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
@@ -269,10 +271,10 @@ def train(cfg):
 
 # what the step line on stdout shows, [async][llm], those in the row (the CSV has every column)
 SHOW = [[["reward", "eval_return", "loss"],
-         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "entropy", "kl", "teacher_kl",
-          "teacher_s"]],
+         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "turns", "entropy", "kl",
+          "teacher_kl", "teacher_s"]],
         [["reward", "eval_return", "staleness", "dropped_stale"],
-         ["reward", "eval_acc", "completion_len", "tool_frac", "staleness", "logp_gap", "teacher_kl",
+         ["reward", "eval_acc", "completion_len", "tool_frac", "turns", "staleness", "logp_gap", "teacher_kl",
           "teacher_s", "dropped_stale", "dropped_no_snapshot"]]]
 
 
@@ -280,7 +282,7 @@ SHOW = [[["reward", "eval_return", "loss"],
 
 # the numbers' own bounds: (fields, test, what the message says they must be)
 BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens",
-            "gen_batch"), lambda v: v >= 1, ">= 1"),
+            "gen_batch", "max_turns"), lambda v: v >= 1, ">= 1"),
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
             "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls", "distill_coef"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
@@ -309,10 +311,12 @@ def validate(cfg, world=1):
          f"is 0): use --group-size 8, or --algo reinforce"),
         (cfg.algo in NEEDS_CRITIC and llm,
          f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
-        (cfg.max_tool_calls and cfg.algo not in GROUP_ESTIMATORS | {"opd"},  # returns: over mask-1 steps only
-         f"--max-tool-calls needs --algo grpo, rloo or opd: {cfg.algo}'s returns would stop at a tool reply"),
-        (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher),
-         f"--model, --lora, --teacher, --max-tool-calls are for LLMs; {cfg.task} trains an MLP: drop them"),
+        ((cfg.max_tool_calls or cfg.max_turns > 1) and cfg.algo not in GROUP_ESTIMATORS | {"opd"},
+         f"--max-tool-calls and --max-turns need --algo grpo, rloo or opd: {cfg.algo}'s returns (over mask-1 "
+         f"steps) would stop at an inserted reply"),
+        (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher or cfg.max_turns > 1),
+         f"--model, --lora, --teacher, --max-tool-calls, --max-turns are for LLMs; {cfg.task} trains an MLP: "
+         f"drop them"),
         (bool(cfg.teacher) != (cfg.algo == "opd") + bool(cfg.distill_coef),     # a teacher, and one use of it
          "--teacher goes with one of --algo opd (its advantage alone) or --distill-coef C > 0 (added to "
          "--algo's): pass --teacher and one of them"),
@@ -475,7 +479,8 @@ def group_samples(policy, batch, adv):
 
 
 def make_task(cfg):
-    llm_keys = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls") if cfg.is_llm else ()
+    llm_keys = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")
+    llm_keys = llm_keys if cfg.is_llm else ()
     return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm_keys})
 
 
@@ -638,7 +643,8 @@ def connect(client, cfg):
 def fingerprint(cfg, prompts_per_batch):
     """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
     keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
-            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness", "max_tool_calls")
+            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness", "max_tool_calls",
+            "max_turns")
     return {k: getattr(cfg, k) for k in keys} | {"prompts_per_batch": prompts_per_batch}
 
 
@@ -646,7 +652,8 @@ def batch_limits(cfg, task, policy, prompts_per_batch):
     """What a batch of this run can be; the trainer refuses anything else (serve.batch_from_bytes: 400)."""
     llm = cfg.is_llm                                    # max_len, LLMs: max_new_tokens
     return {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
-            "max_len": task.max_len, "tool_calls": cfg.max_tool_calls, "obs_dim": 0 if llm else task.obs_dim,
+            "max_len": task.max_len, "tool_calls": cfg.max_tool_calls, "turns": cfg.max_turns,
+            "obs_dim": 0 if llm else task.obs_dim,
             "prompt_len": task.max_prompt_len(policy.encode) if llm else 0,
             "n_actions": policy.model.get_input_embeddings().num_embeddings if llm else task.n_actions}
 
@@ -728,12 +735,15 @@ def behav_logprobs(policy, batch, snapshot, micro_batch):
         set_weights(policy, current)
 
 
-def batch_stats(batch, tools):
-    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tool use."""
-    R, n, replies = batch.grouped_rewards(), all_sum(len(batch)), batch.tool_replies()  # [n_prompts, G], [N]
+def batch_stats(batch, cfg, policy):
+    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tools, turns"""
+    R, n = batch.grouped_rewards(), all_sum(len(batch))                              # [n_prompts, G]
+    turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
+    replies = batch.insertions() - (turns - 1)                 # [N] the insertions that are no user turn
     dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
     per_row = {"reward": R, "completion_len": batch.mask.sum(1), "truncated_frac": batch.truncated,
-               **({"tool_calls": replies, "tool_frac": replies > 0} if tools else {})}
+               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {}),
+               **({"turns": turns} if cfg.max_turns > 1 else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
             "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 

@@ -194,7 +194,7 @@ class ScriptedLLM:
     def decode(self, ids):
         return "".join(chr(i) for i in ids if i != 0)
 
-    def act(self, prompt_ids, group_size, greedy=False, tools=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         self.calls.append((len(prompt_ids), group_size, greedy))
         out = []
         for ids in prompt_ids:                                   # prompt-major: all samples of prompt 0 first

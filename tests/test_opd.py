@@ -83,7 +83,7 @@ def test_mask_zero_positions_prompt_padding_and_tool_replies_get_zero(lms):
     for i in range(len(batch)):                                                # a 2-token reply where it fits
         if batch.mask[i].sum() >= 4:
             batch.mask[i, P[i] + 1:P[i] + 3] = 0
-    assert (batch.tool_replies() > 0).any()
+    assert (batch.insertions() > 0).any()
     cfg = cfg_for(lms)
     teacher = make_teacher(cfg, policy)
     scores, stats = teacher_scores(teacher, policy, batch, cfg)
@@ -132,7 +132,7 @@ def test_a_teacher_with_another_vocabulary_is_refused_before_any_work(lms, tmp_p
     (dict(algo="opd"), "--teacher goes with"), (dict(algo="grpo", group_size=2, distill_coef=0.1), "--teacher goes"),
     (dict(algo="opd", teacher="t", distill_coef=0.1), "one of --algo opd"),
     (dict(algo="grpo", group_size=2, teacher="t"), "one of --algo opd"),
-    (dict(task="cartpole", model="", algo="opd", teacher="t"), "--teacher, --max-tool-calls are for LLMs; cartpole trains an MLP"),
+    (dict(task="cartpole", model="", algo="opd", teacher="t"), "--teacher, --max-tool-calls, --max-turns are for LLMs; cartpole trains an MLP"),
     (dict(algo="grpo", group_size=2, teacher="t", distill_coef=-1.0), "--distill-coef must be >= 0")])
 def test_bad_teacher_settings_name_the_fix(kw, fix):
     with pytest.raises(ValueError, match=fix):

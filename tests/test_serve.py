@@ -21,7 +21,7 @@ FP = {"task": "cartpole", "split_seed": 0}
 # what the run can produce (train.batch_limits): control rows of <= 5 steps; LLM rows of a 1..3-token prompt and
 # 1..4 completion tokens over a vocabulary of 50, reward in [0, 1.1]
 LIMITS = {"group_size": 2, "n_prompts": 2, "prompt_len": 0, "max_len": 5, "n_actions": 2, "obs_dim": 4, "reward": [0, 5],
-          "tool_calls": 0}
+          "tool_calls": 0, "turns": 1}
 LLM_LIMITS = {**LIMITS, "prompt_len": 3, "max_len": 4, "n_actions": 50, "obs_dim": 0, "reward": [0, 1.1]}
 
 
@@ -494,8 +494,8 @@ def bad_for_the_run(limits, version=1):
     out = [("this run takes", make_batch(N=N + G, **kw)),                             # one prompt too many
            ("is not in 1..", make_batch(N=N, T=prompt + L + 1, **kw)),                # T one past the budget
            ("is not in 1..", replace(b, **{f: getattr(b, f)[:, :0] for f in steps})),   # T 0: was a 500
-           ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].zero_())),                # an empty row
-           ("runs of 0s inside only for tool replies", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
+           ("runs of 0s inside only for insertions", edit("mask", lambda m: m[0].zero_())),                # an empty row
+           ("runs of 0s inside only for insertions", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
            ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
            ("not this run's", make_batch(N=N, **{**kw, "llm": not llm}))]             # rows of the other kind
     if llm:
@@ -713,9 +713,10 @@ def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil(monkeypatc
     assert len(outcomes) == 40 and "leased" not in outcomes and not hung, hung
 
 
-def test_tool_replies_are_holes_in_a_completions_mask_and_nothing_else_is(serve):
-    """A tool reply is a run of 0s inside a completion (tasks.LLMTask.reply): accepted up to --max-tool-calls of
-    them; more, or 0s in the prompt part counted as a completion that starts early, get a 400 naming the rule."""
+def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else_is(serve):
+    """A tool reply or an environment's user turn is a run of 0s inside a completion (tasks.LLMTask.reply and
+    respond): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or 0s in the prompt part counted
+    as a completion that starts early, get a 400 naming the rule."""
     limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "tool_calls": 1}
     server, client = serve(limits=limits)
     good = make_batch(N=4, T=8, llm=True, seed=1)
@@ -723,7 +724,7 @@ def test_tool_replies_are_holes_in_a_completions_mask_and_nothing_else_is(serve)
     good.mask[0] = torch.tensor([0, 0, 1, 0, 0, 1, 1, 1.0])
     good.states[0], good.rewards[0] = torch.arange(1, 9), torch.tensor([0, 0, 0, 0, 0, 0, 0, 1.0])
     good.actions[0], good.logp[0] = good.states[0], -0.5 * good.mask[0]
-    assert good.tool_replies().tolist() == [1, 0, 0, 0]
+    assert good.insertions().tolist() == [1, 0, 0, 0]
     submit(client, good)
     assert same_batch(server.next_batches(1, 1, timeout=1)[0], good)
     two = replace(good, mask=good.mask.clone())
@@ -734,7 +735,15 @@ def test_tool_replies_are_holes_in_a_completions_mask_and_nothing_else_is(serve)
     for bad in (two, wide):
         with pytest.raises(Rejected) as e:
             client.submit(bad, lease, run)
-        assert e.value.status == 400 and "at most 1 (--max-tool-calls)" in str(e.value)
+        assert e.value.status == 400 and "at most 1 (--max-tool-calls + --max-turns - 1)" in str(e.value)
     limits0 = {**limits, "tool_calls": 0}                                              # tools off: no holes
     with pytest.raises(ValueError, match="at most 0"):
         batch_from_bytes(batch_to_bytes(good, "lease", "run"), limits0)
+    # turns: 3 turns make 2 holes, within the budget of --max-turns 3 and not of 2; a tool call adds one
+    for tools, turns, ok in [(0, 3, True), (0, 2, False), (1, 2, True), (1, 1, False)]:
+        sent = batch_to_bytes(two, "lease", "run")
+        if ok:
+            assert batch_from_bytes(sent, {**limits, "tool_calls": tools, "turns": turns})[0].insertions()[0] == 2
+        else:
+            with pytest.raises(ValueError, match="at most 1 "):
+                batch_from_bytes(sent, {**limits, "tool_calls": tools, "turns": turns})

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from model import HFPolicy  # noqa: E402
-from tasks import MaxDigit, Multiply  # noqa: E402
+from tasks import Guess, MaxDigit, Multiply  # noqa: E402
 from train import Config, load_checkpoint, make_optimizer, save_checkpoint, trainable, update  # noqa: E402
 
 from test_llm import as_batch  # noqa: E402
@@ -185,8 +185,8 @@ def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol)
         b = task.rollout(pol, task.eval_set, 1, greedy=True)
     finally:
         pol.max_new_tokens = 16
-    row = int(b.tool_replies().argmax())
-    assert b.tool_replies()[row] == 1, "no held-out prompt made SmolLM2 call the calculator"
+    row = int(b.insertions().argmax())
+    assert b.insertions()[row] == 1, "no held-out prompt made SmolLM2 call the calculator"
     start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
     ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
     k = int((~sampled).int().argmax())                                   # the reply's first position
@@ -196,3 +196,26 @@ def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol)
     assert text.endswith("=") and ids[k:k + n] == reply and sampled[k + n:].all()
     assert (b.logp[row, start:end][~sampled] == 0).all() and (b.logp[row, start:end][sampled] < 0).all()
     assert pol.tok(pol.decode(ids), add_special_tokens=False)["input_ids"] != ids      # re-tokenizing differs
+
+
+@pytest.mark.slow
+def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_header(pol):
+    """Guess with 2 turns, greedy: SmolLM2's first guess ends at <|im_end|> (trained), then come the template's
+    own ids for the environment's user turn and the assistant header (mask 0), then its second guess; a fresh
+    forward over each whole episode gives the sampler's log-probs (the KV cache stayed valid)."""
+    task = Guess(eval_episodes=4, max_new_tokens=128, max_turns=2)
+    pol.max_new_tokens = 128                            # its first turns run ~45 tokens, the user turn ~20
+    try:
+        b = task.rollout(pol, task.eval_set, 1, greedy=True)
+    finally:
+        pol.max_new_tokens = 16
+    row = int(b.insertions().argmax())
+    assert b.insertions()[row] == 1, "SmolLM2 guessed every held-out number at once"
+    start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
+    ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
+    k, n = int((~sampled).int().argmax()), int((~sampled).sum())         # the inserted turn: [k, k + n)
+    message = task.respond(task.eval_set[row], pol.decode(ids[:k]))
+    turn = f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"      # SmolLM2's template
+    assert ids[k - 1] == IM_END and sampled[k - 1] and sampled[k + n:].all()
+    assert ids[k:k + n] == pol.tok(turn, add_special_tokens=False)["input_ids"] == pol.turn_ids(message)
+    assert (pol.logprobs(b)[0] - b.logp).abs().max() < 1e-4
