@@ -6,6 +6,7 @@ value(states) -> [N, T] (critic); param_groups() -> {"actor": [...], "critic": [
 import copy
 import functools
 import inspect
+import itertools
 import os
 import shutil
 import tempfile
@@ -70,6 +71,15 @@ class _Text:
     def reply_ids(self, env, ids):
         reply = env.reply(self.decode(ids))
         return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+
+    def insertion(self, env, problem, ids, turns):
+        """What goes after a stop the model sampled, as ids: after its end-of-turn token (ids[-1]), while
+        turns < max_turns, the environment's next user turn, or None: the episode ends; after a call, the
+        tool's reply ([]: no call). ids: the completion so far; the environment reads it decoded."""
+        if ids[-1] not in self.eos:
+            return self.reply_ids(env, ids)
+        message = env.respond(problem, self.decode(ids)) if turns < env.max_turns else None
+        return None if message is None else self.turn_ids(message)
 
     def turn_ids(self, message):
         """The ids that follow the model's end-of-turn token: the chat template's rendering of the next user
@@ -183,32 +193,22 @@ class HFPolicy(_Text, nn.Module):
             # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
             end = torch.where(done | feeding, end, len(steps))
             stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
-            # new text with env.tool_stop queues env.reply(the whole text)'s ids (vLLM's calls too); a turn's
-            # end, env.respond's next turn. New: since the insertion, its last len(tool_stop) ids (>= 1
-            # character each; all of them: quadratic)
+            # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
+            # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
             for b, (token, going, ended) in enumerate(zip(nxt.tolist(), (~done).tolist(), stop.tolist())):
                 if not (env and going):
                     continue
                 completions[b].append(token)
-                if ended and turns[b] < env.max_turns:
-                    message = env.respond(rows[b][1], self.decode(completions[b]))
-                    inserts[b] = [] if message is None else self.turn_ids(message)
-                    stop[b], turns[b] = message is None, turns[b] + 1
-                elif env.tool_stop and not ended:
-                    tail = completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):]
-                    if env.tool_stop in self.decode(tail):
-                        inserts[b] = self.reply_ids(env, completions[b])
-                if inserts[b]:                  # a call is looked for after it (the same while it is fed)
+                called = env.tool_stop and not ended and env.tool_stop in self.decode(
+                    completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):])
+                if ended or called:
+                    new = self.insertion(env, rows[b][1], completions[b], turns[b])
+                    stop[b], turns[b], inserts[b] = new is None, turns[b] + ended, new or []
                     since[b] = len(completions[b]) + len(inserts[b])
             done = done | stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
         toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
-        # NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync)
-        bad = (~logps.isfinite() & (torch.arange(toks.shape[1]) < end.cpu()[:, None])).any(0)   # [C]
-        if bad.any():
-            raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
-                             f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
-                             f"or float32; if it persists, the weights hold NaN or inf")
+        _check_finite(logps, end.cpu(), self.dtype)
         return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped)
                 for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
 
@@ -279,6 +279,16 @@ def _distinct_left_pad(seqs, pad, device):
     ids = torch.tensor([[pad] * (L - len(x)) + list(x) for x in first], device=device)          # [U, L]
     attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in first], device=device)     # [U, L]
     return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), torch.tensor(inv, device=device)      # pos [U, L]
+
+
+def _check_finite(logps, end, dtype):
+    """NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync).
+    logps [B, C] up to end [B]."""
+    bad = (~logps.isfinite() & (torch.arange(logps.shape[1]) < end[:, None])).any(0)   # [C]
+    if bad.any():
+        raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
+                         f"token), computing in {dtype}: float16 overflows, so use --dtype bfloat16 or "
+                         f"float32; if it persists, the weights hold NaN or inf")
 
 
 def _sample(logp):
@@ -445,37 +455,44 @@ class VLLMGenerator(_Text):
 
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """HFPolicy.act's contract, one request per sample: vLLM splits an n-sample request into such ones
-        anyway, sample j seeded seed + j (and refuses n > 1 when greedy). Seeds come from torch's RNG, which a
-        worker seeds per lease (as HFPolicy's): workers draw apart. Insertions, token in, token out: a request
-        stops after env.tool_stop or at a turn's end, the next goes on from its ids and the inserted ones."""
+        anyway (and refuses n > 1 when greedy); request i of a call seeded seed + i, seed from torch's RNG,
+        which a worker seeds per lease (as HFPolicy's): workers draw apart. Insertions, token in, token out: a
+        request stops at a call (env.tool_stop, while calls are left) or at a turn's end, and the one going on
+        from its ids and the inserted ones enters the engine at once, not after a round's slowest sample."""
         from vllm import SamplingParams
-        tool_stop = env and env.tool_stop
-        problems = problems or [None] * len(prompt_ids)
-        # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns
-        todo = samples = [[p, [], [], [], True, q, 1] for p, q in zip(prompt_ids, problems)
-                          for _ in range(group_size)]
-        while todo:
-            seed = None if greedy else int(torch.randint(2**30, ()))
-            params = [SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                     max_tokens=self.max_new_tokens - len(s[1]),        # the default is 16
-                                     logprobs=0, stop_token_ids=self.eos,  # logprobs=0: the sampled token's
-                                     stop=tool_stop and [tool_stop], include_stop_str_in_output=True,
-                                     seed=None if greedy else seed + j) for j, s in enumerate(todo)]
-            prompts = [{"prompt_token_ids": s[0] + s[1]} for s in todo]                  # TokensPrompts
-            pieces = vllm_samples(self.llm.generate(prompts, params, lora_request=self.lora, use_tqdm=False),
-                                  self.eos, tool_stop)                          # this round's, per sample
-            going = []
-            for s, (ids, logp, sampled, truncated, called) in zip(todo, pieces):
+        from vllm.sampling_params import RequestOutputKind
+        problems, tool_stop = problems or [None] * len(prompt_ids), env and env.tool_stop
+        # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns, calls
+        samples = [[p, [], [], [], True, q, 1, 0] for p, q in zip(prompt_ids, problems)
+                   for _ in range(group_size)]
+        seed, count, waiting = int(torch.randint(2**30, ())), itertools.count(), {}   # request id -> sample
+
+        def request(s):                 # from the sample's prompt and ids so far
+            i, stop = next(count), tool_stop if tool_stop and s[7] < env.max_tool_calls else None
+            params = SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
+                                    max_tokens=self.max_new_tokens - len(s[1]),         # the default is 16
+                                    logprobs=0, stop_token_ids=self.eos,   # logprobs=0: the sampled token's
+                                    stop=stop and [stop], include_stop_str_in_output=True,
+                                    seed=None if greedy else seed + i,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)       # as LLM.generate's
+            waiting[f"{seed}-{i}"] = s
+            self.llm.llm_engine.add_request(f"{seed}-{i}", {"prompt_token_ids": s[0] + s[1]}, params,
+                                            lora_request=self.lora)
+
+        for s in samples:
+            request(s)
+        while waiting:                  # LLM.generate's loop, taking new requests as it goes
+            for out in [out for out in self.llm.llm_engine.step() if out.finished]:
+                s = waiting.pop(out.request_id)
+                ids, logp, sampled, truncated, called = vllm_samples([out], self.eos, tool_stop)[0]
                 s[1:5] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
-                insert = self.reply_ids(env, s[1]) if called else []
-                if env and not (called or truncated) and s[6] < env.max_turns:      # it ended its turn
-                    message = env.respond(s[5], self.decode(s[1]))
-                    s[4], s[6] = message is not None, s[6] + 1      # truncated, unless its next turn fits
-                    insert = [] if message is None else self.turn_ids(message)
-                if insert and len(s[1]) + len(insert) < self.max_new_tokens:    # else it ends where it is
-                    s[1:4] = s[1] + insert, s[2] + [0.0] * len(insert), s[3] + [False] * len(insert)
-                    going.append(s)
-            todo = going
+                if env and (called or not truncated):       # a call, or the end of a turn
+                    insert = self.insertion(env, s[5], s[1], s[6])
+                    # truncated, unless its next request ends otherwise: a turn that does not fit ends it
+                    s[4], s[6], s[7] = insert is not None, s[6] + (not called), s[7] + bool(called and insert)
+                    if insert is not None and len(s[1]) + len(insert) < self.max_new_tokens:
+                        s[1:4] = s[1] + insert, s[2] + [0.0] * len(insert), s[3] + [False] * len(insert)
+                        request(s)
         return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
                  torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated, *_ in samples]
 

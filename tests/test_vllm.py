@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from model import VLLMGenerator, vllm_max_model_len, vllm_samples
-from tasks import GSM8K, GSM8K_PROMPT, Countdown, MaxDigit, Multiply
+from tasks import GSM8K, GSM8K_PROMPT, Addition, Countdown, MaxDigit, Multiply
 
 from test_dist import free_port
 from test_llm import tiny  # noqa: F401  (fixture)
@@ -145,7 +145,8 @@ def shut_down(gen):
 
 @pytest.fixture(scope="module")
 def engine(vllm_cpu, smollm2):  # noqa: F811
-    gen = VLLMGenerator(smollm2, lora_r=8, prompt_len=lambda encode: 84, max_new_tokens=12, dtype="float32")
+    gen = VLLMGenerator(smollm2, lora_r=8, prompt_len=lambda encode: 84, max_new_tokens=120, dtype="float32")
+    gen.max_new_tokens = 12                 # 84 + 120 positions for the 3-turn episodes; 12 new tokens elsewhere
     yield gen
     shut_down(gen)
 
@@ -176,12 +177,12 @@ def serve(engine, hf, version):
 PROMPTS = ["What is 2+3?", "Name a colour.", "Write the word hello.", "Count from 1 to 5."]
 
 
-def greedy_report(engine, hf, ids, tools=None):
+def greedy_report(engine, hf, ids, env=None, problems=None):
     """Greedy completions of both engines -> (number equal, near-ties, HF's completions). Where they differ,
     HF's top-2 margin at the first differing position must be a genuine near-tie (< NEAR_TIE), else it fails."""
     equal, ties = 0, []
-    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True, tools=tools)]
-    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True, tools=tools), ours)):
+    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True, env=env, problems=problems)]
+    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True, env=env, problems=problems), ours)):
         a = a.tolist()
         if a == b:
             equal += 1
@@ -221,7 +222,7 @@ def test_greedy_multi_turn_vllm_equals_greedy_hf(engine, hf):
     engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 24, 24
     try:
         equal, ties, _ = greedy_report(engine, hf, ids, task)
-        theirs, ours = engine.act(ids, 1, greedy=True, tools=task), hf.act(ids, 1, greedy=True, tools=task)
+        theirs, ours = engine.act(ids, 1, greedy=True, env=task), hf.act(ids, 1, greedy=True, env=task)
     finally:
         engine.max_new_tokens = hf.max_new_tokens = 12
     called = [i for i, (c, lp, sampled, _) in enumerate(theirs) if not sampled.all()]
@@ -233,6 +234,37 @@ def test_greedy_multi_turn_vllm_equals_greedy_hf(engine, hf):
         if not sampled.all():                                   # the reply's ids follow the sampled "="
             k = int((~sampled).int().argmax())
             assert hf.decode(c[:k].tolist()).endswith("=") and task.reply(hf.decode(c[:k].tolist()))
+
+
+class Retry(Addition):
+    """Addition whose environment (a TEST DOUBLE for a game: SmolLM2 plays none) answers every turn with the
+    same user message, so that each episode runs its --max-turns: the turn machinery on a real model."""
+
+    def respond(self, problem, text):
+        return "Are you sure? Answer again, with the number only."
+
+
+def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
+    """vLLM stops at <|im_end|>, the chat template's user turn and assistant header are appended as ids and a
+    new request goes on from them; HFPolicy feeds the same ids in its loop. Token for token the same 3-turn
+    episodes, the inserted turns at the same places (near-ties reported, as above)."""
+    task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3)
+    ids = task.prompt_ids(hf.encode, task.eval_set)
+    random_adapter(hf, seed=0, scale=0.0)
+    engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 120, 120
+    try:
+        equal, ties, _ = greedy_report(engine, hf, ids, task, task.eval_set)
+        theirs = engine.act(ids, 1, greedy=True, env=task, problems=task.eval_set)
+    finally:
+        engine.max_new_tokens = hf.max_new_tokens = 12
+    turns = [len([t for t, own in zip(c.tolist(), s.tolist()) if own and t in hf.eos]) for c, _, s, _ in theirs]
+    print(f"3 turns: {turns.count(3)}/{len(ids)} greedy episodes; turns {turns}")
+    assert equal >= len(ids) - 1 and turns.count(3) >= len(ids) // 2
+    message = hf.turn_ids(task.respond(None, ""))
+    for c, lp, sampled, _ in theirs:
+        assert (lp[~sampled] == 0).all() and (lp[sampled] < 0).all()
+        for k in (~sampled).int().diff(prepend=torch.zeros(1, dtype=torch.int)).eq(1).nonzero()[:, 0].tolist():
+            assert c[k - 1].item() in hf.eos and c[k:k + len(message)].tolist() == message   # after its end
 
 
 def test_sampled_logprobs_follow_every_adapter_version(engine, hf):
