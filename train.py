@@ -188,7 +188,7 @@ def train(cfg):
         publish(policy, cfg, first, snapshots, server)
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
-    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
+    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
