@@ -206,7 +206,7 @@ def train(cfg):
                 # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
                 # rank's share of the step's prompts, which depend on (seed, step) only
                 if cfg.role == "trainer":
-                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, rank, world, stop)
+                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
                     with contextlib.suppress(StopRun), stop.at_once():   # generating changes nothing: drop it
@@ -675,12 +675,13 @@ def publish(policy, cfg, version, snapshots, server):
         server.publish(version, snap, files)
 
 
-def async_batch(server, snapshots, policy, cfg, version, rank, world, stop):
+def async_batch(server, snapshots, policy, cfg, version, world, stop):
     """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
     recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
-    --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
+    --resume), dropped and counted. server: rank 0's, None on the others.
+    -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
     while True:
-        batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if rank == 0 else [None]
+        batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]
         if world > 1:                                   # ranks stop together instead of hanging
             torch.distributed.scatter_object_list(got, batches, src=0)   # only rank 0's list is read
