@@ -146,10 +146,6 @@ class Config:
     def is_llm(self):
         return self.task in TASKS and TASKS[self.task].is_llm
 
-    @property
-    def clip_high(self):
-        return self.clip_eps_high or self.clip_eps
-
 
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
@@ -763,6 +759,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
     now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
     stop: agreed before each of epoch 0's micro-batches but the first (train() agreed just before)."""
     mbs = batch.micro_batches(cfg.micro_batch)
+    clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
     logp_prox = []                                      # per micro-batch
@@ -782,11 +779,10 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
             a = adv[s] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
-            pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg,
-                                    denom)
+            pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
             gap = mb.logp - logp_behav[i]               # sampler's minus ours: 0 with the same kernels
-            per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high),
+            per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + clip_high),
                        "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
             if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp
