@@ -27,7 +27,6 @@ import contextlib  # noqa: E402
 import difflib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
-import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -250,7 +249,9 @@ def train(cfg):
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
-            launcher = f"{TORCHRUN} --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
+            # torchrun SIGKILLs ranks 300 s after forwarding a stop (torch >= 2.12; 2.11: 30 s): to save
+            launcher = (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun --nproc_per_node={world} {script}"
+                        if world > 1 else f"python {script}")
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
             log.info(f"\n{why}; saved {cfg.out}.pt as of step {state['step']} of {cfg.steps}; continue "
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
@@ -351,8 +352,11 @@ def validate(cfg, world=1):
 def free_name(cfg):
     """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
-    names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
-    return next(name for name in names if not (os.path.exists(name + ".csv") or os.path.exists(name + ".pt")))
+    name, n = base, 1
+    while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def policy_name(cfg):
@@ -399,10 +403,6 @@ def nanorl_processes():
 
 class StopRun(Exception):
     """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
-
-
-# torchrun SIGKILLs ranks this long after forwarding a stop (torch >= 2.12; 2.11: 30 s): a micro-batch, a save
-TORCHRUN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun"
 
 
 class StopRequests:
