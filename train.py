@@ -672,10 +672,9 @@ def publish(policy, cfg, version, snapshots, server):
 
 
 def async_batch(server, snapshots, policy, cfg, version, world, stop):
-    """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
-    recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
-    --resume), dropped and counted. server: rank 0's, None on the others.
-    -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
+    """--role trainer: a worker batch per rank per step (the server, rank 0's, drops those staler than k), old
+    log-probs recomputed under the snapshot of the version that sampled it; without it (e.g. sampled before a
+    --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
     while True:
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]

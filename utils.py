@@ -189,10 +189,9 @@ class Logger:
                           f"install {name}, log in or set its offline mode; the CSV has every row")
 
     def log(self, row, group=()):
-        """A CSV row, to the trackers too. An evaluation's row["samples"] (LLM completions) go to
-        <out>.samples.jsonl, a line each (read it with head or jq): the first 8 held-out greedy ones (the same
-        problems each time), then the training group's, with rewards and advantages. Under the step line, the
-        first right and the first wrong held-out completion, a line each."""
+        """A CSV row, to the trackers too. An evaluation's row["samples"] (greedy LLM completions): the first
+        8 (the same problems each time), then the training group's with rewards and advantages, a line each in
+        <out>.samples.jsonl (head or jq reads it); the first right and wrong ones under the step line."""
         held_out = row.pop("samples", [])
         if self.file:
             self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
