@@ -41,7 +41,7 @@ class Batch:
     version: int = 0                # weights version that sampled this batch (async)
 
     @staticmethod
-    def from_rows(rows, group_size, version=0):
+    def from_rows(rows, group_size):
         """Rows in prompt-major order, each prompt's group_size rows contiguous -> their Batch."""
         assert len(rows) % group_size == 0, "every group needs the same size"
         pad = lambda field: pad_sequence([getattr(tr, field) for tr in rows], batch_first=True)
@@ -51,7 +51,7 @@ class Batch:
             mask=pad("mask").float(),                                      # [N, T]
             truncated=torch.tensor([tr.truncated for tr in rows]),         # [N]
             final_states=None if final[0] is None else torch.stack(final),  # [N, O]
-            group_size=group_size, version=version)
+            group_size=group_size)
 
     def __len__(self):
         return self.actions.shape[0]

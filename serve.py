@@ -184,12 +184,14 @@ class WireServer:
     answer is cut only once the client took no byte of it for `timeout` s. Once `gone` says why, each request
     with the token gets a 410 saying it."""
 
+    gone, _thread = "", None
+
     def __init__(self, token, routes, max_body, host, port, timeout):
         if not token:
             raise ValueError("the trainer server needs a shared token: set NANORL_TOKEN to the same random "
                              "string (python -c 'import secrets; print(secrets.token_hex(16))') everywhere")
         self.token, self.routes, self.max_body, self.timeout = token.encode(), routes, max_body, timeout
-        self.host, self.port, self.gone, self._thread = host, port, "", None
+        self.host, self.port = host, port
         self._unknown = {}                          # the loop's, writer -> handler task: no token yet
 
     def start(self):
@@ -317,14 +319,16 @@ class BatchQueue:
     < k * bps + (bps - taken at this version) <= the capacity (k + 1) * bps. Leases prove life: one silent
     for lease_timeout s, older than lease_life s, or whose batch can only arrive stale is gone."""
 
+    version, _taken = 0, 0                          # the current version; batches taken at it
+    _step_s, _published = 1.0, 0.0                  # s per version (lead time; the 429's hint); last publish
+    _gen_s = math.inf                               # s from lease to batch, averaged: how far ahead to lease
+    _post_s, _asked = 0.0, 0                        # s the trainer works after a publish (evaluating)
+
     def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
-        self.lease_timeout, self.lease_life, self.version = lease_timeout, lease_life, 0
-        self._step_s, self._published = 1.0, 0.0    # s per version (lead time; the 429's hint); last publish
-        self._gen_s = math.inf                      # s from lease to batch, averaged: how far ahead to lease
-        self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish (evaluating)
-        self._queue, self._taken = [], 0            # batches, lowest version first; taken at this version
+        self.lease_timeout, self.lease_life = lease_timeout, lease_life
+        self._queue = []                            # batches, lowest version first
         self._leases = {}                           # lease id -> [version, worker, alive until, granted at]
         self.counters = collections.Counter()       # name -> count: train.py logs them (QUEUE_COLUMNS)
         self._cv = threading.Condition()            # guards all of the above; an RLock inside, so put() nests
@@ -511,10 +515,12 @@ class TrainerClient:
     an HTTP error raises Rejected at once with the trainer's reason. A retried POST /batch whose first try
     did land gets 409: leases are single-use, so a batch is never queued twice."""
 
+    retry_after, renew_s = 0.0, 1.0                 # s: until the next lease try; between heartbeats
+    finished = ""                                   # the trainer's 410, heard by the heartbeat: run over
+
     def __init__(self, url, token, timeout=60.0, patience=15.0, backoff=0.5):
         self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
-        self.auth, self.retry_after, self.renew_s = {"Authorization": f"Bearer {token}"}, 0.0, 1.0
-        self.finished = ""                          # the trainer's 410, heard by the heartbeat: run over
+        self.auth = {"Authorization": f"Bearer {token}"}
         self.worker = secrets.token_hex(8)          # this process, for the trainer's cap on leases per worker
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no proxy sees token
 
@@ -539,8 +545,8 @@ class TrainerClient:
                 if monotonic() >= deadline:
                     raise TrainerGone(f"{self.url} silent for {patience:g} s ({e}): trainer gone") from None
 
-    def info(self, patience=None):
-        return self._call("GET", "/info", patience=patience)
+    def info(self):
+        return self._call("GET", "/info")
 
     def check(self, fingerprint, names):
         """Refuse to work for a trainer of other task/split settings or weights (names: describe(params))."""
@@ -552,7 +558,6 @@ class TrainerClient:
                      for k in sorted({*theirs, *ours}) if theirs.get(k) != ours.get(k)]
         if diff:
             raise ValueError("trainer and worker differ, refusing to run: " + "; ".join(diff))
-        return info
 
     def weights(self, run, version):
         return tensors_from_bytes(self._call("GET", f"/weights?version={version}&run={run}"))[0]

@@ -27,7 +27,6 @@ import contextlib  # noqa: E402
 import difflib  # noqa: E402
 import importlib.util  # noqa: E402
 import inspect  # noqa: E402
-import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -148,10 +147,6 @@ class Config:
     def is_llm(self):
         return self.task in TASKS and TASKS[self.task].is_llm
 
-    @property
-    def clip_high(self):
-        return self.clip_eps_high or self.clip_eps
-
 
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
@@ -190,7 +185,7 @@ def train(cfg):
         publish(policy, cfg, first, snapshots, server)
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
-    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"] if cfg.resume else None)
+    log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
@@ -208,7 +203,7 @@ def train(cfg):
                 # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
                 # rank's share of the step's prompts, which depend on (seed, step) only
                 if cfg.role == "trainer":
-                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, rank, world, stop)
+                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
                     with contextlib.suppress(StopRun), stop.at_once():   # generating changes nothing: drop it
@@ -256,7 +251,9 @@ def train(cfg):
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
-            launcher = f"{TORCHRUN} --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
+            # torchrun SIGKILLs ranks 300 s after forwarding a stop (torch >= 2.12; 2.11: 30 s): to save
+            launcher = (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun --nproc_per_node={world} {script}"
+                        if world > 1 else f"python {script}")
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
             log.info(f"\n{why}; saved {cfg.out}.pt as of step {state['step']} of {cfg.steps}; continue "
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
@@ -359,8 +356,11 @@ def validate(cfg, world=1):
 def free_name(cfg):
     """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
-    names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
-    return next(name for name in names if not (os.path.exists(name + ".csv") or os.path.exists(name + ".pt")))
+    name, n = base, 1
+    while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def policy_name(cfg):
@@ -407,10 +407,6 @@ def nanorl_processes():
 
 class StopRun(Exception):
     """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
-
-
-# torchrun SIGKILLs ranks this long after forwarding a stop (torch >= 2.12; 2.11: 30 s): a micro-batch, a save
-TORCHRUN = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun"
 
 
 class StopRequests:
@@ -682,12 +678,12 @@ def publish(policy, cfg, version, snapshots, server):
         server.publish(version, snap, files)
 
 
-def async_batch(server, snapshots, policy, cfg, version, rank, world, stop):
-    """--role trainer: a worker batch per rank per step (the server drops those staler than k), old log-probs
-    recomputed under the snapshot of the version that sampled it; without that snapshot (e.g. sampled before a
+def async_batch(server, snapshots, policy, cfg, version, world, stop):
+    """--role trainer: a worker batch per rank per step (the server, rank 0's, drops those staler than k), old
+    log-probs recomputed under the snapshot of the version that sampled it; without it (e.g. sampled before a
     --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
     while True:
-        batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if rank == 0 else [None]
+        batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]
         if world > 1:                                   # ranks stop together instead of hanging
             torch.distributed.scatter_object_list(got, batches, src=0)   # only rank 0's list is read
@@ -772,6 +768,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
     now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
     stop: agreed before each of epoch 0's micro-batches but the first (train() agreed just before)."""
     mbs = batch.micro_batches(cfg.micro_batch)
+    clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
     logp_prox = []                                      # per micro-batch
@@ -791,11 +788,10 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
             a = adv[s] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
-            pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, cfg.clip_high, cfg.loss_agg,
-                                    denom)
+            pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
             gap = mb.logp - logp_behav[i]               # sampler's minus ours: 0 with the same kernels
-            per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + cfg.clip_high),
+            per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + clip_high),
                        "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
             if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp

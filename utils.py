@@ -21,12 +21,12 @@ def masked_sum(x, mask, dim=None):
     return (x * mask).sum(dim)
 
 
-def whiten(x, mask, eps=1e-8):
+def whiten(x, mask):
     """(x - mean) / std over the masked entries of every rank; padding stays 0."""
     n = all_sum(mask.sum()).clamp(min=1)
     mean = all_sum(masked_sum(x, mask)) / n
     var = all_sum(masked_sum((x - mean) ** 2, mask)) / n
-    return (x - mean) / (var.sqrt() + eps) * mask
+    return (x - mean) / (var.sqrt() + 1e-8) * mask
 
 
 # ---- returns and GAE: truncation bootstraps from V(final state), termination does not ----
@@ -56,9 +56,9 @@ class Adam:
     """Adam (Kingma & Ba 2015) for control tasks: torch.optim.Adam's constructor imports torch._dynamo,
     1.3 s on these 2 cores, a third of a CartPole run (measured). LLMs use torch's fused Adam (train.py)."""
 
-    def __init__(self, groups, lr, betas=(0.9, 0.999), eps=1e-8):
+    def __init__(self, groups, lr):
         self.params = [p for g in groups for p in g]                        # one lr for every group
-        self.lr, self.betas, self.eps, self.t = lr, betas, eps, 0
+        self.lr, self.t = lr, 0
         self.m = [torch.zeros_like(p) for p in self.params]                 # fp32, like the params
         self.v = [torch.zeros_like(p) for p in self.params]
 
@@ -69,12 +69,13 @@ class Adam:
     @torch.no_grad()
     def step(self):
         """p -= lr * m_hat / (sqrt(v_hat) + eps), with m_hat, v_hat the bias-corrected moments."""
-        (b1, b2), self.t = self.betas, self.t + 1
+        b1, b2 = 0.9, 0.999                                                  # torch's defaults, eps 1e-8 too
+        self.t += 1
         for p, m, v in zip(self.params, self.m, self.v):
             if p.grad is not None:
                 m.lerp_(p.grad, 1 - b1)                                      # m = b1 m + (1-b1) g
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)            # v = b2 v + (1-b2) g^2
-                denom = (v / (1 - b2 ** self.t)).sqrt_().add_(self.eps)
+                denom = (v / (1 - b2 ** self.t)).sqrt_().add_(1e-8)
                 p.addcdiv_(m, denom, value=-self.lr / (1 - b1 ** self.t))
 
     def state_dict(self):
@@ -156,14 +157,14 @@ class Logger:
     def __init__(self, enabled=True):
         self.enabled, self.file, self.trackers, self.t0 = enabled, None, [], time.time()  # open_tracker()s
 
-    def open_csv(self, path, columns, keep_until=None):
-        """keep_until (resuming): keep the rows of steps <= keep_until, drop the later ones (they are
-        trained again), so the CSV has one row per step however often the run was interrupted."""
+    def open_csv(self, path, columns, keep_until):
+        """Keep the rows of steps <= keep_until (a resumed run's step; a new run has no CSV yet), drop the
+        later ones (they are trained again): one row per step however often the run was interrupted."""
         if not self.enabled:
             return
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         kept = []
-        if keep_until is not None and os.path.exists(path):
+        if os.path.exists(path):
             with open(path, newline="") as f:
                 kept = [r for r in csv.DictReader(f)
                         if r.get("step", "").isdigit() and int(r["step"]) <= keep_until]
@@ -188,23 +189,19 @@ class Logger:
                           f"install {name}, log in or set its offline mode; the CSV has every row")
 
     def log(self, row, group=()):
-        """A CSV row, to the trackers too; row["samples"] (LLM completions) and group go to samples()."""
+        """A CSV row, to the trackers too. An evaluation's row["samples"] (greedy LLM completions): the first
+        8 (the same problems each time), then the training group's with rewards and advantages, a line each in
+        <out>.samples.jsonl (head or jq reads it); the first right and wrong ones under the step line."""
         held_out = row.pop("samples", [])
         if self.file:
             self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
             self.file.flush()
+            if held_out:
+                with open(self.samples_path, "a") as f:
+                    for record in [*held_out[:8], *group]:
+                        f.write(json.dumps({"step": row["step"], **record}) + "\n")
         for log, _ in self.trackers:
             log({k: v for k, v in row.items() if k != "step"}, row["step"])
-        self.samples(row["step"], held_out, group)
-
-    def samples(self, step, held_out, group=()):
-        """A line per sample in <out>.samples.jsonl (read it with head or jq): the first 8 held-out greedy
-        completions (the same problems each time) and a training group's, with rewards and advantages.
-        Under the step line, the first right and the first wrong held-out completion, a line each."""
-        if self.file and held_out:
-            with open(self.samples_path, "a") as f:
-                for record in [*held_out[:8], *group]:
-                    f.write(json.dumps({"step": step, **record}) + "\n")
         for right in (True, False):
             shown = next((r for r in held_out if r["correct"] == right), None)
             if shown:                   # repr: a line, its newlines as \n

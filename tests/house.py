@@ -33,7 +33,9 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # masked_mean, the .adapter copy, serve/model/tasks/train passes) and issue 24's linear tool-call search (+56):
 # 22817 -> 23096 tokens, 2482 -> 2498 lines (the 2,500 budget). Still owed to issues 22 + 23's allowance: ~190
 # tokens. HFPolicy 139 -> 143 lines: the tool-reply loop inlined into _generate (one caller).
-RATCHET = {"tokens": 23096, "nonblank": 2498, "width": 110, "func": 60, "class": 143}
+# A payback (unused parameters and defaults, one-caller helpers folded, scalar state as class defaults):
+# 23096 -> 22936 tokens, 2498 -> 2497 lines; still owed: ~30 tokens.
+RATCHET = {"tokens": 22936, "nonblank": 2497, "width": 110, "func": 60, "class": 143}
 
 
 def code_tokens(src: str) -> int:
