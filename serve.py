@@ -337,12 +337,6 @@ class BatchQueue:
         with self._cv:
             self.counters[name] += n
 
-    def new_version(self, version):  # a publish: time per version; nothing taken yet
-        with self._cv:
-            now = monotonic()
-            self._step_s, self._published = now - self._published if self.version else 1.0, now
-            self.version, self._taken = version, 0
-
     def put(self, batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
         is next to be dropped anyway. Leased submits never fill the queue: this is the net for put()."""
@@ -465,8 +459,9 @@ class TrainerServer(WireServer, BatchQueue):
         if adapter_files:
             blobs["adapter"] = pack_adapter(adapter_files)
         with self._cv:
-            self.names, self._blobs = describe(tensors), blobs
-            self.new_version(version)
+            now = monotonic()
+            self._step_s, self._published = now - self._published if self.version else 1.0, now
+            self.names, self._blobs, self.version, self._taken = describe(tensors), blobs, version, 0
 
     def _blob(self, query, name):  # of this run's current version: none needs another
         with self._cv:
