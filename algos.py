@@ -71,9 +71,8 @@ def opd(batch, policy, logp_teacher, logp_student):
     return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
 
 
-# the three registries train.py reads: a new algorithm is its function here under its --algo name, and that
+# the three registries train.py reads: a new algorithm is its function here, named as its --algo, and that
 # name in GROUP_ESTIMATORS if it compares a group's samples, in NEEDS_CRITIC if it needs a value head
-ESTIMATORS = dict(reinforce=reinforce, reinforce_baseline=reinforce_baseline, ppo=ppo,
-                  grpo=grpo, rloo=rloo, opd=opd)
+ESTIMATORS = {f.__name__: f for f in (reinforce, reinforce_baseline, ppo, grpo, rloo, opd)}
 GROUP_ESTIMATORS = {"grpo", "rloo"}   # need --group-size >= 2; with opd, the only ones --max-tool-calls takes
 NEEDS_CRITIC = {"ppo"}                # get a critic (MLPPolicy's second trunk); refused for LLM tasks

@@ -91,6 +91,6 @@ class Batch:
     def turns(self, eos):
         """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if it was cut mid-turn.
         Each turn but the last is followed by an inserted user turn: tool replies = holes - (turns - 1)."""
-        ended = torch.isin(self.states, torch.tensor(eos)) & (self.mask > 0)          # [N, T]
+        is_eos = torch.isin(self.states, torch.tensor(eos))                           # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        return ended.sum(1) + ~torch.isin(self.states.gather(1, last[:, None])[:, 0], torch.tensor(eos))
+        return (is_eos & (self.mask > 0)).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]
