@@ -7,9 +7,8 @@ Shapes, used everywhere:  N = n_prompts * G rows, G = group_size, T = padded len
 O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch.
 Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
 LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
-mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. A tool's reply
-(--max-tool-calls) or the environment's next user turn (--max-turns) inside a completion is context: its ids
-are in states, with mask 0 and logp 0.
+mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. Tool replies
+and user turns inserted in a completion (--max-tool-calls, --max-turns) are context: mask 0, logp 0.
 """
 from dataclasses import dataclass, replace
 

@@ -101,10 +101,9 @@ def local_device(is_llm):                       # its GPU is LOCAL_RANK's (0 wit
 
 
 def init_distributed(timeout=1800.0, backend="", llm=False):
-    """-> (rank, world_size); (0, 1) without torchrun. One group, two backends: gloo for CPU tensors (scalar
-    statistics, objects), NCCL for CUDA ones (gradients, weights; only if llm): an NCCL-only group cannot
-    reduce a CPU tensor, which failed the first step on GPUs. timeout (s) must outlast one rank's longest wait
-    on another (rank 0's --batch-timeout), or NCCL's watchdog (10 min by default) kills the waiting ranks."""
+    """-> (rank, world_size); (0, 1) without torchrun. One group: gloo for CPU tensors (statistics, objects),
+    and NCCL for CUDA ones if llm (an NCCL-only group cannot reduce a CPU tensor). timeout (s) must outlast
+    one rank's longest wait on another (rank 0's --batch-timeout), or NCCL's watchdog kills the waiters."""
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1
     if not dist.is_initialized():
@@ -150,8 +149,7 @@ def broadcast_params(params):
             dist.broadcast(p.data, 0)
 
 
-# ---- logging, rank 0 only: every metric in a CSV row per step (and to --report-to's trackers), a readable
-# line per step on stdout, completions in <out>.samples.jsonl ----
+# ---- logging, rank 0 only: a CSV row per step (and --report-to's trackers), a line on stdout, samples ----
 
 class Logger:
     def __init__(self, enabled=True):
