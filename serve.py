@@ -438,8 +438,7 @@ class TrainerServer(WireServer, BatchQueue):
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
 
     def finish(self, grace):
-        """The run is over: every request with the token from now on, and every waiting lease, gets a 410 and
-        the worker exits. Returns after `grace` s, for renewals (every lease_timeout / 5 s) to hear it."""
+        """The run is over: 410s from now on (workers exit); returns in `grace` s, for renewals to hear it."""
         self.gone = f"run {self.run} finished: no more batches are needed, the worker can exit"
         time.sleep(grace)
 
@@ -498,8 +497,7 @@ class TrainerServer(WireServer, BatchQueue):
 
 class TrainerClient:
     """Connection failures retry with capped exponential backoff, then raise TrainerGone (the worker exits);
-    an HTTP error raises Rejected at once with the trainer's reason. A retried POST /batch whose first try
-    did land gets 409: leases are single-use, so a batch is never queued twice."""
+    HTTP errors raise Rejected at once. A retried POST /batch that had landed gets 409 (single-use leases)."""
 
     retry_after, renew_s = 0.0, 1.0                 # s: until the next lease try; between heartbeats
     finished = ""                                   # the trainer's 410, heard by the heartbeat: run over

@@ -32,9 +32,8 @@ def whiten(x, mask):
 # ---- returns and GAE: truncation bootstraps from V(final state), termination does not ----
 
 def gae(rewards, values, mask, gamma, lam, bootstrap=None):
-    """A_t = delta_t + gamma*lam*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t (Schulman 2016).
-    After a row's last step V_{t+1} = bootstrap (V(final state) if truncated, 0 if terminated)
-    and A_{t+1} = 0. rewards, values, mask [N, T]; bootstrap [N] or None -> [N, T]."""
+    """A_t = delta_t + gamma*lam*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t (Schulman 2016). After a row's
+    last step V_{t+1} = bootstrap [N] (None: 0), A_{t+1} = 0. rewards, values, mask [N, T] -> [N, T]."""
     boot = 0.0 if bootstrap is None else bootstrap[:, None]
     has_next = F.pad(mask[:, 1:], (0, 1))                                   # [N, T]: step t+1 is real
     v_next = torch.where(has_next > 0, F.pad(values[:, 1:], (0, 1)), boot)  # [N, T]
@@ -47,8 +46,7 @@ def gae(rewards, values, mask, gamma, lam, bootstrap=None):
 
 
 def discounted_returns(rewards, mask, gamma, bootstrap=None):
-    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap (0 if terminated).
-    That is GAE with V = 0 and lam = 1. rewards, mask [N, T]; bootstrap [N] or None -> [N, T]."""
+    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap [N] (None: 0) -> [N, T]."""
     return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0, bootstrap)
 
 
