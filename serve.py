@@ -175,8 +175,8 @@ class WireServer:
     coroutine of either; raises Rejected, or ValueError for a 400; query[name] is '' if not sent. One asyncio
     loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S s, all of it
     within `timeout` s (else 408); token and size (max_body) checked on the headers, before a byte of the body
-    is read. At most MAX_CONNS connections yet to show the token, never one that did. Once `gone` is set,
-    each request with the token gets it in a 410."""
+    is read. At most MAX_CONNS connections yet to show the token, the oldest closed (an honest client shows it
+    in ms: a flood cuts no long-poll or download). Once `gone` is set, a request with the token gets a 410."""
 
     gone, _thread = "", None
 
@@ -219,8 +219,7 @@ class WireServer:
             self._thread = None
 
     def _accept(self, reader, writer):
-        # one request, one answer, closed however the task ends, even cancelled before it began (stop(); a
-        # newer one: an honest client shows the token in ms, so a flood cuts no long-poll or download)
+        # one request, one answer, closed however the task ends, even cancelled before it began (stop, flood)
         def close(_):
             self._unknown.pop(writer, None)
             writer.transport.abort()
@@ -409,7 +408,7 @@ class BatchQueue:
 
     def accept(self, batch, lid):  # the lease is used up
         with self._cv:
-            leased, _, _, granted = self._held(lid)
+            leased, *_, granted = self._held(lid)
             if not leased <= batch.version <= self.version:
                 raise ValueError(f"batch version {batch.version} is outside [{leased}, {self.version}]: "
                                  f"its lease's version .. the current one")
