@@ -1,8 +1,7 @@
 """Advantage estimators: the only thing REINFORCE, PPO, GRPO, RLOO and on-policy distillation disagree on.
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
-pure (writes nothing onto the batch), zero wherever batch.mask is zero. Hyper-parameters bind by
-name from the Config. A new algorithm is one function and its entries in the three registries at the end.
+pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name.
 """
 import torch
 
@@ -60,20 +59,18 @@ def rloo(batch, policy):
 
 
 def opd(batch, policy, logp_teacher, logp_student):
-    """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each sampled
-    token, no reward needed; per token, a one-sample reverse KL as a negated reward:
-        A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)],   0 where mask is 0
-    Both [N, T] are train.py's teacher_scores (one HFPolicy.logprobs path), bound by name. log pi_student is
-    the trainer's CURRENT weights' (update()'s logp_prox; in sync and for fresh async batches = logp_behav).
-    Not batch.logp: a worker's numbers, never trusted, and even honest ones differ by kernels (vLLM vs HF: SD
-    0.05 per token, straight into A; a teacher equal to the student would not give 0). Not logp_behav, a stale
-    batch's sampling weights: the gradient is the current student's KL (update() reweighs older samples)."""
+    """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each token
+    (no reward); per token, a one-sample reverse KL as a negated reward, 0 where mask is 0:
+        A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)]
+    Both [N, T] from train.py's teacher_scores (one HFPolicy.logprobs path); pi_student's are the CURRENT
+    weights' (update()'s logp_prox). Not batch.logp: a worker's, untrusted, and honest ones differ by kernels
+    (vLLM vs HF: SD 0.05 per token, straight into A; a teacher equal to the student would not give 0). Not
+    logp_behav, a stale batch's sampler: the gradient is the current student's KL (update() reweighs)."""
     return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
 
 
-# the three registries train.py reads: a new algorithm is its function here under its --algo name, and that
+# the three registries train.py reads: a new algorithm is its function here, named as its --algo, and that
 # name in GROUP_ESTIMATORS if it compares a group's samples, in NEEDS_CRITIC if it needs a value head
-ESTIMATORS = dict(reinforce=reinforce, reinforce_baseline=reinforce_baseline, ppo=ppo,
-                  grpo=grpo, rloo=rloo, opd=opd)
+ESTIMATORS = {f.__name__: f for f in (reinforce, reinforce_baseline, ppo, grpo, rloo, opd)}
 GROUP_ESTIMATORS = {"grpo", "rloo"}   # need --group-size >= 2; with opd, the only ones --max-tool-calls takes
 NEEDS_CRITIC = {"ppo"}                # get a critic (MLPPolicy's second trunk); refused for LLM tasks

@@ -7,9 +7,8 @@ Shapes, used everywhere:  N = n_prompts * G rows, G = group_size, T = padded len
 O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch.
 Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
 LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
-mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. A tool's reply
-(--max-tool-calls) or the environment's next user turn (--max-turns) inside a completion is context: its ids
-are in states, with mask 0 and logp 0.
+mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. Tool replies
+and user turns inserted in a completion (--max-tool-calls, --max-turns) are context: mask 0, logp 0.
 """
 from dataclasses import dataclass, replace
 
@@ -91,6 +90,6 @@ class Batch:
     def turns(self, eos):
         """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if it was cut mid-turn.
         Each turn but the last is followed by an inserted user turn: tool replies = holes - (turns - 1)."""
-        ended = torch.isin(self.states, torch.tensor(eos)) & (self.mask > 0)          # [N, T]
+        is_eos = torch.isin(self.states, torch.tensor(eos))                           # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        return ended.sum(1) + ~torch.isin(self.states.gather(1, last[:, None])[:, 0], torch.tensor(eos))
+        return (is_eos & (self.mask > 0)).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]

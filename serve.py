@@ -28,8 +28,7 @@ from core import Batch
 
 MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
 HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
-# bytes read after answering one that never showed the token (junk read under the trainer's GIL slowed it);
-# a worker with a wrong token hears its 403 whole: its first call, GET /info, has no body
+# bytes read after answering one that never showed the token (a wrong token's 403 to GET /info: heard whole)
 STRANGER_LINGER = 1 << 16
 CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
 POLL_S = 0.02                                       # s between a waiting lease's looks for room
@@ -74,9 +73,8 @@ def batch_to_bytes(batch, lease, run):
 
 
 def wire_spec(limits, T):
-    """{field: (dtype, shape)} of a batch of this run with T steps. Control rows ([N, T, O] states) end
-    somewhere: PPO's critic bootstraps a truncated row from final_states [N, O], and a batch without them
-    once killed a PPO trainer (TypeError); token rows ([N, T] ids) have none."""
+    """{field: (dtype, shape)} of this run's batch of T steps: control rows ([N, T, O] states) bring the
+    final_states [N, O] that PPO's critic bootstraps a truncated row from; token rows ([N, T] ids) none."""
     N, O, llm = limits["group_size"] * limits["n_prompts"], limits["obs_dim"], limits["prompt_len"] > 0
     return {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
             "actions": (torch.long, (N, T)), "truncated": (torch.bool, (N,)),
@@ -112,7 +110,6 @@ def batch_from_bytes(data, limits):
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
     m = t["mask"]
     start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
-    # a completion: 1s, with a run of 0s for each tool reply or user turn inserted, and nothing else
     if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.insertions().max() <= tools + turns - 1
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
         raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
@@ -130,9 +127,8 @@ def batch_from_bytes(data, limits):
     return batch, meta
 
 
-# ---- the PEFT adapter travels as safetensors too, one uint8 tensor per file: only what vLLM loads, as a
-# worker writes them into its folder, where an adapter_model.bin (a pickle) would be unpickled; any other
-# name could also be a path ('../x', '/etc/x') ----
+# ---- the PEFT adapter as safetensors too, a uint8 tensor per file, only the two vLLM loads: a worker writes
+# them into its folder, where an adapter_model.bin (a pickle) would be unpickled, another name be a path ----
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -167,8 +163,7 @@ class Snapshots(dict):
         self.keep = max_staleness + 1
 
     def add(self, version, tensors):
-        # copy=True is load-bearing: .cpu() of a CPU tensor aliases the live parameter, which the optimizer
-        # then changes under the snapshot; .cpu().clone() copied GPU tensors twice
+        # copy=True: .cpu() aliases a CPU parameter (the optimizer steps it); .cpu().clone() copied GPU twice
         self[version] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         while len(self) > self.keep:
             del self[min(self)]
@@ -180,9 +175,8 @@ class WireServer:
     coroutine of either; raises Rejected, or ValueError for a 400; query[name] is '' if not sent. One asyncio
     loop (a thread) serves every connection, so no client holds a thread: headers within HEAD_S s, all of it
     within `timeout` s (else 408); token and size (max_body) checked on the headers, before a byte of the body
-    is read. At most MAX_CONNS connections yet to show the token (the oldest closed), never one that did. An
-    answer is cut only once the client took no byte of it for `timeout` s. Once `gone` says why, each request
-    with the token gets a 410 saying it."""
+    is read. At most MAX_CONNS connections yet to show the token, the oldest closed (an honest client shows it
+    in ms: a flood cuts no long-poll or download). Once `gone` is set, a request with the token gets a 410."""
 
     gone, _thread = "", None
 
@@ -225,8 +219,7 @@ class WireServer:
             self._thread = None
 
     def _accept(self, reader, writer):
-        # one request, one answer, closed however the task ends, even cancelled before it began (stop(); a
-        # newer one: an honest client shows the token in ms, so a flood cuts no long-poll or download)
+        # one request, one answer, closed however the task ends, even cancelled before it began (stop, flood)
         def close(_):
             self._unknown.pop(writer, None)
             writer.transport.abort()
@@ -256,10 +249,9 @@ class WireServer:
             writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {kind}\r\n"
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
             await self._send(writer, body)          # not concatenated: weights can be GBs
-            # FIN after the answer, then discard what the client still sends for LINGER_S: closing with
-            # unread input sends a reset, which destroyed a 403 to a 4 MB body 20 times out of 20. A stranger:
-            # STRANGER_LINGER bytes, then held unread till LINGER_S (reset at once, 256 junk streams came back
-            # ~660 times/s: 1.4 CartPole steps/s, 16.8 alone; held, 21.6 of 24.7)
+            # FIN, then discard what the client still sends for LINGER_S: a close on unread input resets,
+            # which destroyed a 403 to a 4 MB body 20 times in 20. A stranger: STRANGER_LINGER bytes, then
+            # held unread (reset at once, 256 junk streams under the GIL cut CartPole's 16.8 steps/s to 1.4)
             writer.write_eof()
             left = STRANGER_LINGER if writer in self._unknown else math.inf
             until = monotonic() + LINGER_S
@@ -336,12 +328,6 @@ class BatchQueue:
     def count(self, name, n=1):
         with self._cv:
             self.counters[name] += n
-
-    def new_version(self, version):  # a publish: time per version; nothing taken yet
-        with self._cv:
-            now = monotonic()
-            self._step_s, self._published = now - self._published if self.version else 1.0, now
-            self.version, self._taken = version, 0
 
     def put(self, batch):
         """Queue a validated batch; when full, evict the stalest (counted) rather than refuse the new one: it
@@ -422,7 +408,7 @@ class BatchQueue:
 
     def accept(self, batch, lid):  # the lease is used up
         with self._cv:
-            leased, _, _, granted = self._held(lid)
+            leased, *_, granted = self._held(lid)
             if not leased <= batch.version <= self.version:
                 raise ValueError(f"batch version {batch.version} is outside [{leased}, {self.version}]: "
                                  f"its lease's version .. the current one")
@@ -433,9 +419,8 @@ class BatchQueue:
 
 
 class TrainerServer(WireServer, BatchQueue):
-    """Weights out, batches in, on the trainer (rank 0): the endpoints, on WireServer's bytes and BatchQueue's
-    rules. A random run id per start, in /info, leases and weights, which a batch must bring back: a --resume
-    republishes version numbers with other weights, so another run's batch gets 409 (wrong_run)."""
+    """The endpoints, on the trainer (rank 0). A random run id per start, in /info, leases and weights, must
+    come back with a batch: a --resume republishes version numbers with other weights (409 wrong_run)."""
 
     def __init__(self, token, fingerprint, max_staleness, batches_per_step=1, host="0.0.0.0", port=0, *,
                  limits, lease_timeout=5.0, lease_life=600.0, timeout=30.0):
@@ -452,8 +437,7 @@ class TrainerServer(WireServer, BatchQueue):
         self.names, self._blobs = {}, {}            # of this version: describe(tensors); "weights", "adapter"
 
     def finish(self, grace):
-        """The run is over: every request with the token from now on, and every waiting lease, gets a 410 and
-        the worker exits. Returns after `grace` s, for renewals (every lease_timeout / 5 s) to hear it."""
+        """The run is over: 410s from now on (workers exit); returns in `grace` s, for renewals to hear it."""
         self.gone = f"run {self.run} finished: no more batches are needed, the worker can exit"
         time.sleep(grace)
 
@@ -465,8 +449,9 @@ class TrainerServer(WireServer, BatchQueue):
         if adapter_files:
             blobs["adapter"] = pack_adapter(adapter_files)
         with self._cv:
-            self.names, self._blobs = describe(tensors), blobs
-            self.new_version(version)
+            now = monotonic()
+            self._step_s, self._published = now - self._published if self.version else 1.0, now
+            self.names, self._blobs, self.version, self._taken = describe(tensors), blobs, version, 0
 
     def _blob(self, query, name):  # of this run's current version: none needs another
         with self._cv:
@@ -478,9 +463,8 @@ class TrainerServer(WireServer, BatchQueue):
             return self._blobs[name]
 
     async def _lease(self, query, body):
-        """?wait=S: without room, wait up to S s (timeout / 2 at most), not a 429 that the worker slept a step
-        on: the queue then ran dry every 4th step (5.5 steps/s; 7.2 polling every 10 ms). Room opens on the
-        trainer's thread: a waiting lease looks again every POLL_S s, and hears a finish() there too."""
+        """?wait=S: without room, wait up to S s (timeout / 2 at most); a 429 had the worker sleep a step, and
+        the queue ran dry every 4th. Room opens on the trainer's thread: poll it (and gone) every POLL_S s."""
         worker, wait = query["worker"], query["wait"]
         if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
             raise Rejected(400, f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")
@@ -512,8 +496,7 @@ class TrainerServer(WireServer, BatchQueue):
 
 class TrainerClient:
     """Connection failures retry with capped exponential backoff, then raise TrainerGone (the worker exits);
-    an HTTP error raises Rejected at once with the trainer's reason. A retried POST /batch whose first try
-    did land gets 409: leases are single-use, so a batch is never queued twice."""
+    HTTP errors raise Rejected at once. A retried POST /batch that had landed gets 409 (single-use leases)."""
 
     retry_after, renew_s = 0.0, 1.0                 # s: until the next lease try; between heartbeats
     finished = ""                                   # the trainer's 410, heard by the heartbeat: run over
@@ -579,8 +562,7 @@ class TrainerClient:
 
     @contextlib.contextmanager
     def keep_alive(self, lease_id):
-        """Renew the lease every renew_s s from a thread while the body runs: a worker that dies stops
-        renewing, and the trainer frees its slot within seconds."""
+        """Renew the lease every renew_s s while the body runs: a dead worker's lease expires in seconds."""
         done = threading.Event()
 
         def beat():

@@ -32,9 +32,8 @@ def whiten(x, mask):
 # ---- returns and GAE: truncation bootstraps from V(final state), termination does not ----
 
 def gae(rewards, values, mask, gamma, lam, bootstrap=None):
-    """A_t = delta_t + gamma*lam*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t (Schulman 2016).
-    After a row's last step V_{t+1} = bootstrap (V(final state) if truncated, 0 if terminated)
-    and A_{t+1} = 0. rewards, values, mask [N, T]; bootstrap [N] or None -> [N, T]."""
+    """A_t = delta_t + gamma*lam*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t (Schulman 2016). After a row's
+    last step V_{t+1} = bootstrap [N] (None: 0), A_{t+1} = 0. rewards, values, mask [N, T] -> [N, T]."""
     boot = 0.0 if bootstrap is None else bootstrap[:, None]
     has_next = F.pad(mask[:, 1:], (0, 1))                                   # [N, T]: step t+1 is real
     v_next = torch.where(has_next > 0, F.pad(values[:, 1:], (0, 1)), boot)  # [N, T]
@@ -47,8 +46,7 @@ def gae(rewards, values, mask, gamma, lam, bootstrap=None):
 
 
 def discounted_returns(rewards, mask, gamma, bootstrap=None):
-    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap (0 if terminated).
-    That is GAE with V = 0 and lam = 1. rewards, mask [N, T]; bootstrap [N] or None -> [N, T]."""
+    """G_t = r_t + gamma * G_{t+1}; after a row's last step G_{t+1} = bootstrap [N] (None: 0) -> [N, T]."""
     return gae(rewards, torch.zeros_like(rewards), mask, gamma, 1.0, bootstrap)
 
 
@@ -101,10 +99,9 @@ def local_device(is_llm):                       # its GPU is LOCAL_RANK's (0 wit
 
 
 def init_distributed(timeout=1800.0, backend="", llm=False):
-    """-> (rank, world_size); (0, 1) without torchrun. One group, two backends: gloo for CPU tensors (scalar
-    statistics, objects), NCCL for CUDA ones (gradients, weights; only if llm): an NCCL-only group cannot
-    reduce a CPU tensor, which failed the first step on GPUs. timeout (s) must outlast one rank's longest wait
-    on another (rank 0's --batch-timeout), or NCCL's watchdog (10 min by default) kills the waiting ranks."""
+    """-> (rank, world_size); (0, 1) without torchrun. One group: gloo for CPU tensors (statistics, objects),
+    and NCCL for CUDA ones if llm (an NCCL-only group cannot reduce a CPU tensor). timeout (s) must outlast
+    one rank's longest wait on another (rank 0's --batch-timeout), or NCCL's watchdog kills the waiters."""
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:
         return 0, 1
     if not dist.is_initialized():
@@ -150,8 +147,7 @@ def broadcast_params(params):
             dist.broadcast(p.data, 0)
 
 
-# ---- logging, rank 0 only: every metric in a CSV row per step (and to --report-to's trackers), a readable
-# line per step on stdout, completions in <out>.samples.jsonl ----
+# ---- logging, rank 0 only: a CSV row per step (and --report-to's trackers), a line on stdout, samples ----
 
 class Logger:
     def __init__(self, enabled=True):
