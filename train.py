@@ -290,18 +290,16 @@ BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_
 
 
 def validate(cfg, world=1):
-    """Every user error, before any work; each message names the flag and the fix."""
+    """Every user error, before any work, naming flag and fix (choices again: Config() skips argparse's)."""
     llm = cfg.is_llm
     errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
               if not ok(getattr(cfg, name))]
-    # choices again: a Config built in code skips argparse's (--role trainr once trained sync, silently)
     errors += [f"{flag(f.name)} {v}: choose from {', '.join(c)}" for f in fields(cfg)
                if (c := f.metadata["choices"]) and (v := getattr(cfg, f.name)) not in c]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
     rules = [   # (broken, message)
-        (cfg.n_prompts % world,
-         f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} ranks: use --n-prompts "
-         f"{max(world, cfg.n_prompts // world * world)}"),
+        (cfg.n_prompts % world, f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
+         f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}"),
         (cfg.overlong_cache >= cfg.max_new_tokens, "--overlong-cache must be < --max-new-tokens"),
         (cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2,
          f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own baseline, so every advantage "
@@ -732,14 +730,14 @@ def behav_logprobs(policy, batch, snapshot, micro_batch):
 
 
 def batch_stats(batch, cfg, policy):
-    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tools, turns"""
-    R, n = batch.grouped_rewards(), all_sum(len(batch))                              # [n_prompts, G]
+    """The rollout, over all ranks: mean reward, lengths, truncation, dead groups, tool calls, turns."""
+    n = all_sum(len(batch))
     turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
     replies = batch.insertions() - (turns - 1)                 # [N] the insertions that are no user turn
     dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
-    per_row = {"reward": R, "completion_len": batch.mask.sum(1), "truncated_frac": batch.truncated,
-               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {}),
-               **({"turns": turns} if cfg.max_turns > 1 else {})}
+    per_row = {"reward": batch.grouped_rewards(), "completion_len": batch.mask.sum(1),   # [n_prompts, G], [N]
+               "truncated_frac": batch.truncated, **({"turns": turns} if cfg.max_turns > 1 else {}),
+               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
             "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
