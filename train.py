@@ -11,11 +11,10 @@
 
 REINFORCE, PPO, GRPO, RLOO and on-policy distillation differ only in the advantage (algos.py); the rest
 is this file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
-Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO
-mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
-target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
-run replays the same randomness without storing RNG state. LLMs: no sequence packing, a plain
-KV-cached sampling loop (no continuous batching: that is what vLLM workers are for).
+Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO mini-batch
+shuffling); no value clipping, adaptive KL or learning-rate schedule; the critic target is fixed per batch;
+every step reseeds torch from (seed, rank, step): a resumed run replays the same randomness, no RNG state
+stored. LLMs: no sequence packing, a plain KV-cached sampling loop (vLLM workers batch continuously).
 """
 import time
 
@@ -189,7 +188,7 @@ def train(cfg):
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
-    row, t_loop = {}, time.time()
+    t_loop = time.time()
     with StopRequests() as stop:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
@@ -200,8 +199,7 @@ def train(cfg):
                 t0 = time.time()
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
                 share_cores(cfg)                        # workers may have started or stopped on this machine
-                # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
-                # rank's share of the step's prompts, which depend on (seed, step) only
+                # 1. rollout: a worker's batch (trainer), or this rank's share of the prompts of (seed, step)
                 if cfg.role == "trainer":
                     batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
@@ -251,7 +249,6 @@ def train(cfg):
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
-            # torchrun SIGKILLs ranks 300 s after forwarding a stop (torch >= 2.12; 2.11: 30 s): to save
             launcher = (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun --nproc_per_node={world} {script}"
                         if world > 1 else f"python {script}")
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
@@ -369,9 +366,8 @@ def policy_name(cfg):
 
 
 def share_cores(cfg):
-    """Set this process's torch threads -> what it chose and why. Control: 1 (2 were slower on the 64-wide
-    MLP). LLMs: the cores over the NanoRL processes here, recounted as workers come and go (a trainer and
-    2 workers on 2 cores, each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
+    """Set torch's threads -> "n threads (why)". Control: 1 (2 were slower on the 64-wide MLP). LLMs: cores /
+    NanoRL processes here, recounted as they come and go (3 on 2 cores at torch's default: 2-13x slower)."""
     omp = os.environ.get("OMP_NUM_THREADS")
     if cfg.threads or omp or not cfg.is_llm:            # the user's choice, or 1
         n = cfg.threads or int(omp or 1)
@@ -390,9 +386,8 @@ RUNNING = pathlib.Path(tempfile.gettempdir(),            # a folder per user and
 
 
 def nanorl_processes():
-    """This checkout's NanoRL processes on this machine (>= 1): the files in RUNNING, named by their pids,
-    each added and removed by its process (__main__), one left by a kill -9 removed here. Not any process
-    with train.py in its argv (a run beside nanoGPT's got half the cores), nor a scan of /proc per step."""
+    """This checkout's NanoRL processes here (>= 1): RUNNING's pid files, made and removed by each process
+    (__main__; one left by a kill -9: here). Not a /proc scan per step nor argv's train.py (nanoGPT's too)."""
     n = 0
     for f in RUNNING.glob("[0-9]*"):
         try:
@@ -408,10 +403,9 @@ class StopRun(Exception):
 
 
 class StopRequests:
-    """Ctrl-C or SIGTERM (sky cancel, a spot notice; torchrun forwards both) stops within seconds, not after a
-    step of minutes: a generation at once (at_once), the update before its next micro-batch of epoch 0; ranks
-    agree (agree(), a scalar all-reduce) before anything changes, and the last finished step is saved exactly.
-    Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded)."""
+    """Ctrl-C or SIGTERM (sky cancel, spot notice) stops in seconds, not in minutes: a generation at once
+    (at_once), the update before its next epoch-0 micro-batch; ranks agree (agree()) before anything changes,
+    and the last finished step is saved. Another signal over 2 s later quits unsaved (sooner: forwarded)."""
 
     asked, generating = 0.0, False                      # asked: time.monotonic() of the first signal
 
@@ -473,9 +467,8 @@ def group_samples(policy, batch, adv):
 
 
 def make_task(cfg):
-    llm_keys = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")
-    llm_keys = llm_keys if cfg.is_llm else ()
-    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm_keys})
+    llm = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")   # LLM tasks'
+    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm if cfg.is_llm})
 
 
 def make_policy(cfg, task):
@@ -571,13 +564,14 @@ def start_server(cfg, task, policy, world):
 
 
 def rollout_worker(cfg, task, threads):
-    """--role rollout: lease a slot, pull new weights, generate, submit with the sampler's log-probs, repeat,
-    renewing the lease (a silent one is freed in --lease-timeout); no gradient. Exits once the trainer's run
-    finished or it is silent for --trainer-patience s; user errors (token, settings): one line, exit 1."""
+    """--role rollout: lease, pull new weights, generate, submit with the sampler's log-probs, repeat (no
+    gradient); exits once the trainer's run finished or it is silent for --trainer-patience s."""
     client = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience)
-    loaded, n, say = None, 0, Logger().info             # say: print, flushed
+    loaded, info, n, say = None, None, 0, Logger().info   # say: print, flushed
+    say(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
+        f"{cfg.trainer_patience:g} s) ...")
     try:
-        info = connect(client, cfg)
+        info = client.info()                            # waits: the trainer may start after its workers
         per_batch = info["fingerprint"]["prompts_per_batch"]
         policy = make_policy(cfg, task)
         client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
@@ -618,20 +612,12 @@ def rollout_worker(cfg, task, threads):
                              f"{e.body['error']}") from None
         say(f"worker: {e.body['error']}; exiting after {n} batches")
     except TrainerGone as e:
+        if info is None:                                # no /info within --trainer-patience
+            raise ValueError(f"no trainer answered at {cfg.trainer_url} within --trainer-patience "
+                             f"{cfg.trainer_patience:g} s: start it first (--role trainer), or check the "
+                             f"host and port it logged") from None
         say(f"worker: {e}; exiting after {n} batches")
     return {"batches": n}
-
-
-def connect(client, cfg):
-    """The trainer's /info, waiting for it (a worker may start first): says at once for how long."""
-    print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
-          f"{cfg.trainer_patience:g} s) ...", flush=True)
-    try:
-        return client.info()
-    except TrainerGone:
-        raise ValueError(f"no trainer answered at {cfg.trainer_url} within --trainer-patience "
-                         f"{cfg.trainer_patience:g} s: start it first (--role trainer), or check the host "
-                         f"and port it logged") from None
 
 
 def fingerprint(cfg, prompts_per_batch):
@@ -777,7 +763,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            if epoch == 0 and i and stop is not None:   # every rank; no step yet (before mb 0: the rollout's)
+            if stop and epoch == 0 and i:               # every rank; no step yet (before mb 0: the rollout's)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
