@@ -11,10 +11,9 @@
 
 REINFORCE, PPO, GRPO, RLOO and on-policy distillation differ only in the advantage (algos.py); the rest
 is this file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
-Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO mini-batch
-shuffling); no value clipping, adaptive KL or learning-rate schedule; the critic target is fixed per batch;
-every step reseeds torch from (seed, rank, step): a resumed run replays the same randomness, no RNG state
-stored. LLMs: no sequence packing, a plain KV-cached sampling loop (vLLM workers batch continuously).
+Left out on purpose (README): PPO mini-batches (an inner epoch is one full-batch step), value clipping,
+adaptive KL, a learning-rate schedule, sequence packing. The critic target is fixed per batch; every step
+reseeds torch from (seed, rank, step), so a resumed run replays the same randomness without RNG state.
 """
 import time
 
@@ -349,7 +348,6 @@ def validate(cfg, world=1):
 
 
 def free_name(cfg):
-    """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
     name, n = base, 1
     while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
@@ -485,8 +483,7 @@ def make_policy(cfg, task):
     say(f"loading {cfg.model} ...")
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
-                      ref_copy=cfg.ref_copy, **sampling,
-                      device=local_device(True))        # init_distributed's choice: a GPU per rank, or CPU
+                      ref_copy=cfg.ref_copy, **sampling, device=local_device(True))   # a GPU per rank, or CPU
     n, n_train = (sum(p.numel() for p in ps) / 1e6
                   for ps in (policy.parameters(), trainable(policy).values()))
     say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
@@ -663,9 +660,8 @@ def publish(policy, cfg, version, snapshots, server):
 
 
 def async_batch(server, snapshots, policy, cfg, version, world, stop):
-    """--role trainer: a worker batch per rank per step (the server, rank 0's, drops those staler than k), old
-    log-probs recomputed under the snapshot of the version that sampled it; without it (e.g. sampled before a
-    --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
+    """--role trainer: a worker batch per rank per step, old log-probs under the snapshot that sampled it
+    (none, e.g. sampled before a --resume: dropped, counted) -> (batch, logp_behav per micro-batch or None)"""
     while True:
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]
@@ -749,8 +745,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
         A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
     min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
-    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
-    stop: agreed before each of epoch 0's micro-batches but the first (train() agreed just before)."""
+    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient."""
     mbs = batch.micro_batches(cfg.micro_batch)
     clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
@@ -763,7 +758,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            if stop and epoch == 0 and i:               # every rank; no step yet (before mb 0: the rollout's)
+            if stop and epoch == 0 and i:               # every rank, no step yet (before mb 0: train()'s)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
@@ -856,8 +851,7 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """python train.py --export RUN.pt DIR: an LLM run as a plain Hugging Face folder (weights, tokenizer) for
-    --model, --teacher, transformers, vLLM; LoRA merged into the base, in fp32 whatever --dtype trained."""
+    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, vLLM), LoRA merged, in fp32."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
@@ -895,8 +889,7 @@ def parse_config(argv):
 
 
 def read_yaml(path):
-    """A YAML preset as flags, which argparse checks as it checks the command line's (YAML 1.1 reads 1e-3 as
-    a string: as a flag it is a float like any other)."""
+    """A YAML preset as flags, which argparse checks and converts (YAML 1.1 reads 1e-3 as a string)."""
     import yaml
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
@@ -935,8 +928,7 @@ if __name__ == "__main__":
         else:
             train(parse_config(sys.argv[1:]))
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
-        # one 'error: ...' on stderr (rank 0 only under torchrun, which would print it once per rank), also
-        # written to torchrun's error file, so its failure summary names the cause, not "To enable traceback"
+        # by rank 0 only (torchrun would print it per rank); to torchrun's error file too, for its summary
         rank0 = os.environ.get("RANK", "0") == "0"
         if rank0 and (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
             pathlib.Path(path).write_text(json.dumps({"message": f"error: {e}",
