@@ -900,9 +900,9 @@ def read_yaml(path):
         why = getattr(e, "problem", None) or e
         raise ValueError(f"--config {path} is not valid YAML{where}: {why}") from None
     types = {f.name: type(f.default) for f in fields(Config)}
-    if not isinstance(d, dict) or set(d) - set(types):
+    if not isinstance(d, dict) or d.keys() - types:
         raise ValueError(f"{path}: keys must be Config fields; unknown: "
-                         f"{sorted(set(d) - set(types)) if isinstance(d, dict) else d!r}")
+                         f"{sorted(d.keys() - types) if isinstance(d, dict) else d!r}")
     flags = []
     for k, v in d.items():
         t = types[k]                                    # t(str(v)): argparse's own conversion, tried here so
