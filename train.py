@@ -11,11 +11,9 @@
 
 REINFORCE, PPO, GRPO, RLOO and on-policy distillation differ only in the advantage (algos.py); the rest
 is this file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
-Simplifications, on purpose: one optimizer step per inner epoch over the whole batch (no PPO
-mini-batch shuffling); no value clipping; no adaptive KL; no learning-rate schedule; the critic
-target is computed once per batch; every step reseeds torch from (seed, rank, step), so a resumed
-run replays the same randomness without storing RNG state. LLMs: no sequence packing, a plain
-KV-cached sampling loop (no continuous batching: that is what vLLM workers are for).
+Left out on purpose (README): PPO mini-batches (an inner epoch is one full-batch step), value clipping,
+adaptive KL, a learning-rate schedule, sequence packing. The critic target is fixed per batch; every step
+reseeds torch from (seed, rank, step), so a resumed run replays the same randomness without RNG state.
 """
 import time
 
@@ -189,7 +187,7 @@ def train(cfg):
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
-    row, t_loop = {}, time.time()
+    t_loop = time.time()
     with StopRequests() as stop:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
@@ -200,8 +198,7 @@ def train(cfg):
                 t0 = time.time()
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
                 share_cores(cfg)                        # workers may have started or stopped on this machine
-                # 1. rollout: a worker's batch with exact old log-probs (trainer), or generated here: this
-                # rank's share of the step's prompts, which depend on (seed, step) only
+                # 1. rollout: a worker's batch (trainer), or this rank's share of the prompts of (seed, step)
                 if cfg.role == "trainer":
                     batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
@@ -251,7 +248,6 @@ def train(cfg):
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
-            # torchrun SIGKILLs ranks 300 s after forwarding a stop (torch >= 2.12; 2.11: 30 s): to save
             launcher = (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun --nproc_per_node={world} {script}"
                         if world > 1 else f"python {script}")
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
@@ -290,18 +286,16 @@ BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_
 
 
 def validate(cfg, world=1):
-    """Every user error, before any work; each message names the flag and the fix."""
+    """Every user error, before any work, naming flag and fix (choices again: Config() skips argparse's)."""
     llm = cfg.is_llm
     errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
               if not ok(getattr(cfg, name))]
-    # choices again: a Config built in code skips argparse's (--role trainr once trained sync, silently)
     errors += [f"{flag(f.name)} {v}: choose from {', '.join(c)}" for f in fields(cfg)
                if (c := f.metadata["choices"]) and (v := getattr(cfg, f.name)) not in c]
     written = [f for f in (cfg.out + ".csv", cfg.out + ".pt") if cfg.out and os.path.exists(f)]
     rules = [   # (broken, message)
-        (cfg.n_prompts % world,
-         f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} ranks: use --n-prompts "
-         f"{max(world, cfg.n_prompts // world * world)}"),
+        (cfg.n_prompts % world, f"--n-prompts {cfg.n_prompts} must be a positive multiple of the {world} "
+         f"ranks: use --n-prompts {max(world, cfg.n_prompts // world * world)}"),
         (cfg.overlong_cache >= cfg.max_new_tokens, "--overlong-cache must be < --max-new-tokens"),
         (cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2,
          f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own baseline, so every advantage "
@@ -354,7 +348,6 @@ def validate(cfg, world=1):
 
 
 def free_name(cfg):
-    """runs/<config name, or task_algo>, then -2, -3, ..: a new run never overwrites an old one."""
     base = os.path.join("runs", pathlib.Path(cfg.config).stem if cfg.config else f"{cfg.task}_{cfg.algo}")
     name, n = base, 1
     while os.path.exists(name + ".csv") or os.path.exists(name + ".pt"):
@@ -371,9 +364,8 @@ def policy_name(cfg):
 
 
 def share_cores(cfg):
-    """Set this process's torch threads -> what it chose and why. Control: 1 (2 were slower on the 64-wide
-    MLP). LLMs: the cores over the NanoRL processes here, recounted as workers come and go (a trainer and
-    2 workers on 2 cores, each with torch's default threads, ran 2-13x slower than with 1 thread each)."""
+    """Set torch's threads -> "n threads (why)". Control: 1 (2 were slower on the 64-wide MLP). LLMs: cores /
+    NanoRL processes here, recounted as they come and go (3 on 2 cores at torch's default: 2-13x slower)."""
     omp = os.environ.get("OMP_NUM_THREADS")
     if cfg.threads or omp or not cfg.is_llm:            # the user's choice, or 1
         n = cfg.threads or int(omp or 1)
@@ -392,9 +384,8 @@ RUNNING = pathlib.Path(tempfile.gettempdir(),            # a folder per user and
 
 
 def nanorl_processes():
-    """This checkout's NanoRL processes on this machine (>= 1): the files in RUNNING, named by their pids,
-    each added and removed by its process (__main__), one left by a kill -9 removed here. Not any process
-    with train.py in its argv (a run beside nanoGPT's got half the cores), nor a scan of /proc per step."""
+    """This checkout's NanoRL processes here (>= 1): RUNNING's pid files, made and removed by each process
+    (__main__; one left by a kill -9: here). Not a /proc scan per step nor argv's train.py (nanoGPT's too)."""
     n = 0
     for f in RUNNING.glob("[0-9]*"):
         try:
@@ -410,10 +401,9 @@ class StopRun(Exception):
 
 
 class StopRequests:
-    """Ctrl-C or SIGTERM (sky cancel, a spot notice; torchrun forwards both) stops within seconds, not after a
-    step of minutes: a generation at once (at_once), the update before its next micro-batch of epoch 0; ranks
-    agree (agree(), a scalar all-reduce) before anything changes, and the last finished step is saved exactly.
-    Another signal over 2 s later quits at once, unsaved (sooner: the same Ctrl-C, forwarded)."""
+    """Ctrl-C or SIGTERM (sky cancel, spot notice) stops in seconds, not in minutes: a generation at once
+    (at_once), the update before its next epoch-0 micro-batch; ranks agree (agree()) before anything changes,
+    and the last finished step is saved. Another signal over 2 s later quits unsaved (sooner: forwarded)."""
 
     asked, generating = 0.0, False                      # asked: time.monotonic() of the first signal
 
@@ -475,9 +465,8 @@ def group_samples(policy, batch, adv):
 
 
 def make_task(cfg):
-    llm_keys = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")
-    llm_keys = llm_keys if cfg.is_llm else ()
-    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm_keys})
+    llm = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")   # LLM tasks'
+    return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm if cfg.is_llm})
 
 
 def make_policy(cfg, task):
@@ -494,8 +483,7 @@ def make_policy(cfg, task):
     say(f"loading {cfg.model} ...")
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
-                      ref_copy=cfg.ref_copy, **sampling,
-                      device=local_device(True))        # init_distributed's choice: a GPU per rank, or CPU
+                      ref_copy=cfg.ref_copy, **sampling, device=local_device(True))   # a GPU per rank, or CPU
     n, n_train = (sum(p.numel() for p in ps) / 1e6
                   for ps in (policy.parameters(), trainable(policy).values()))
     say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
@@ -573,13 +561,14 @@ def start_server(cfg, task, policy, world):
 
 
 def rollout_worker(cfg, task, threads):
-    """--role rollout: lease a slot, pull new weights, generate, submit with the sampler's log-probs, repeat,
-    renewing the lease (a silent one is freed in --lease-timeout); no gradient. Exits once the trainer's run
-    finished or it is silent for --trainer-patience s; user errors (token, settings): one line, exit 1."""
+    """--role rollout: lease, pull new weights, generate, submit with the sampler's log-probs, repeat (no
+    gradient); exits once the trainer's run finished or it is silent for --trainer-patience s."""
     client = TrainerClient(cfg.trainer_url, os.environ["NANORL_TOKEN"], patience=cfg.trainer_patience)
-    loaded, n, say = None, 0, Logger().info             # say: print, flushed
+    loaded, info, n, say = None, None, 0, Logger().info   # say: print, flushed
+    say(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
+        f"{cfg.trainer_patience:g} s) ...")
     try:
-        info = connect(client, cfg)
+        info = client.info()                            # waits: the trainer may start after its workers
         per_batch = info["fingerprint"]["prompts_per_batch"]
         policy = make_policy(cfg, task)
         client.check(fingerprint(cfg, per_batch), info["names"] if cfg.vllm else describe(trainable(policy)))
@@ -620,20 +609,12 @@ def rollout_worker(cfg, task, threads):
                              f"{e.body['error']}") from None
         say(f"worker: {e.body['error']}; exiting after {n} batches")
     except TrainerGone as e:
+        if info is None:                                # no /info within --trainer-patience
+            raise ValueError(f"no trainer answered at {cfg.trainer_url} within --trainer-patience "
+                             f"{cfg.trainer_patience:g} s: start it first (--role trainer), or check the "
+                             f"host and port it logged") from None
         say(f"worker: {e}; exiting after {n} batches")
     return {"batches": n}
-
-
-def connect(client, cfg):
-    """The trainer's /info, waiting for it (a worker may start first): says at once for how long."""
-    print(f"worker: waiting for the trainer at {cfg.trainer_url} (up to --trainer-patience "
-          f"{cfg.trainer_patience:g} s) ...", flush=True)
-    try:
-        return client.info()
-    except TrainerGone:
-        raise ValueError(f"no trainer answered at {cfg.trainer_url} within --trainer-patience "
-                         f"{cfg.trainer_patience:g} s: start it first (--role trainer), or check the host "
-                         f"and port it logged") from None
 
 
 def fingerprint(cfg, prompts_per_batch):
@@ -679,9 +660,8 @@ def publish(policy, cfg, version, snapshots, server):
 
 
 def async_batch(server, snapshots, policy, cfg, version, world, stop):
-    """--role trainer: a worker batch per rank per step (the server, rank 0's, drops those staler than k), old
-    log-probs recomputed under the snapshot of the version that sampled it; without it (e.g. sampled before a
-    --resume), dropped and counted. -> (batch, logp_behav per micro-batch, or None: these weights sampled)"""
+    """--role trainer: a worker batch per rank per step, old log-probs under the snapshot that sampled it
+    (none, e.g. sampled before a --resume: dropped, counted) -> (batch, logp_behav per micro-batch or None)"""
     while True:
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]
@@ -732,14 +712,14 @@ def behav_logprobs(policy, batch, snapshot, micro_batch):
 
 
 def batch_stats(batch, cfg, policy):
-    """What the rollout produced, over all ranks: mean reward, lengths, truncation, dead groups, tools, turns"""
-    R, n = batch.grouped_rewards(), all_sum(len(batch))                              # [n_prompts, G]
+    """The rollout, over all ranks: mean reward, lengths, truncation, dead groups, tool calls, turns."""
+    n = all_sum(len(batch))
     turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
     replies = batch.insertions() - (turns - 1)                 # [N] the insertions that are no user turn
     dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
-    per_row = {"reward": R, "completion_len": batch.mask.sum(1), "truncated_frac": batch.truncated,
-               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {}),
-               **({"turns": turns} if cfg.max_turns > 1 else {})}
+    per_row = {"reward": batch.grouped_rewards(), "completion_len": batch.mask.sum(1),   # [n_prompts, G], [N]
+               "truncated_frac": batch.truncated, **({"turns": turns} if cfg.max_turns > 1 else {}),
+               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {})}
     return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
             "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
@@ -765,8 +745,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
         A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
     min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
-    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
-    stop: agreed before each of epoch 0's micro-batches but the first (train() agreed just before)."""
+    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient."""
     mbs = batch.micro_batches(cfg.micro_batch)
     clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
@@ -779,7 +758,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            if epoch == 0 and i and stop is not None:   # every rank; no step yet (before mb 0: the rollout's)
+            if stop and epoch == 0 and i:               # every rank, no step yet (before mb 0: train()'s)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
@@ -872,8 +851,7 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """python train.py --export RUN.pt DIR: an LLM run as a plain Hugging Face folder (weights, tokenizer) for
-    --model, --teacher, transformers, vLLM; LoRA merged into the base, in fp32 whatever --dtype trained."""
+    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, vLLM), LoRA merged, in fp32."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
@@ -911,8 +889,7 @@ def parse_config(argv):
 
 
 def read_yaml(path):
-    """A YAML preset as flags, which argparse checks as it checks the command line's (YAML 1.1 reads 1e-3 as
-    a string: as a flag it is a float like any other)."""
+    """A YAML preset as flags, which argparse checks and converts (YAML 1.1 reads 1e-3 as a string)."""
     import yaml
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file (the presets are in configs/)")
@@ -923,9 +900,9 @@ def read_yaml(path):
         why = getattr(e, "problem", None) or e
         raise ValueError(f"--config {path} is not valid YAML{where}: {why}") from None
     types = {f.name: type(f.default) for f in fields(Config)}
-    if not isinstance(d, dict) or set(d) - set(types):
+    if not isinstance(d, dict) or d.keys() - types:
         raise ValueError(f"{path}: keys must be Config fields; unknown: "
-                         f"{sorted(set(d) - set(types)) if isinstance(d, dict) else d!r}")
+                         f"{sorted(d.keys() - types) if isinstance(d, dict) else d!r}")
     flags = []
     for k, v in d.items():
         t = types[k]                                    # t(str(v)): argparse's own conversion, tried here so
@@ -951,8 +928,7 @@ if __name__ == "__main__":
         else:
             train(parse_config(sys.argv[1:]))
     except (ValueError, TimeoutError) as e:             # user errors name the fix; a timeout saved first
-        # one 'error: ...' on stderr (rank 0 only under torchrun, which would print it once per rank), also
-        # written to torchrun's error file, so its failure summary names the cause, not "To enable traceback"
+        # by rank 0 only (torchrun would print it per rank); to torchrun's error file too, for its summary
         rank0 = os.environ.get("RANK", "0") == "0"
         if rank0 and (path := os.environ.get("TORCHELASTIC_ERROR_FILE")):
             pathlib.Path(path).write_text(json.dumps({"message": f"error: {e}",
