@@ -68,16 +68,13 @@ class _Text:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def reply_ids(self, env, ids):
-        reply = env.reply(self.decode(ids))
-        return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
-
     def insertion(self, env, problem, ids, turns):
         """What goes after a stop the model sampled, as ids: after its end-of-turn token (ids[-1]), while
         turns < max_turns, the environment's next user turn, or None: the episode ends; after a call, the
         tool's reply ([]: no call). ids: the completion so far; the environment reads it decoded."""
         if ids[-1] not in self.eos:
-            return self.reply_ids(env, ids)
+            reply = env.reply(self.decode(ids))
+            return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
         message = env.respond(problem, self.decode(ids)) if turns < env.max_turns else None
         return None if message is None else self.turn_ids(message)
 
@@ -157,8 +154,8 @@ class HFPolicy(_Text, nn.Module):
     @torch.no_grad()
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
-        problems = problems or [None] * len(prompt_ids)         # read only by env.respond
-        rows = [(p, q) for p, q in zip(prompt_ids, problems) for _ in range(group_size)]
+        rows = [(p, q) for p, q in zip(prompt_ids, problems or itertools.repeat(None))   # q: for env.respond
+                for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
                     for s in self._generate(rows[i:i + self.gen_batch], greedy, env)]
@@ -186,9 +183,9 @@ class HFPolicy(_Text, nn.Module):
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
-            feeding = torch.tensor([bool(r) for r in inserts], device=self.device)        # [B] inserted
-            if any(inserts):
-                nxt[feeding] = torch.tensor([r.pop(0) for r in inserts if r], device=self.device)
+            feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
+            feeding = feed >= 0                                                           # [B] inserted
+            nxt = torch.where(feeding, feed, nxt)
             steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), feeding))
             # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
             end = torch.where(done | feeding, end, len(steps))
@@ -461,7 +458,7 @@ class VLLMGenerator(_Text):
         from its ids and the inserted ones enters the engine at once, not after a round's slowest sample."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        problems, tool_stop = problems or [None] * len(prompt_ids), env and env.tool_stop
+        problems, tool_stop = problems or itertools.repeat(None), env and env.tool_stop
         # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns, calls
         samples = [[p, [], [], [], True, q, 1, 0] for p, q in zip(prompt_ids, problems)
                    for _ in range(group_size)]
