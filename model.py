@@ -163,14 +163,13 @@ class HFPolicy(_Text, nn.Module):
     def _generate(self, rows, greedy, env):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
-        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call; the environment's next user
-        turn after an end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows
-        stay in lockstep, the cache valid), as their own ids: re-encoding the decoded text can merge tokens
-        across the seam, changing the log-probs."""
+        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call, the next user turn after an
+        end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows in lockstep,
+        the cache valid), as their own ids: re-encoding the text can merge tokens across the seam."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
         end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
-        cache, steps = None, []                 # per step: (ids, sampler log-probs, inserted), [B] each
+        cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
         # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
         completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
         turns = [1] * len(rows)
@@ -186,9 +185,10 @@ class HFPolicy(_Text, nn.Module):
             feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
             feeding = feed >= 0                                                           # [B] inserted
             nxt = torch.where(feeding, feed, nxt)
-            steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), feeding))
+            own = ~(done | feeding)                                               # [B] the model's sample
+            steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), own))
             # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
-            end = torch.where(done | feeding, end, len(steps))
+            end = torch.where(own, len(steps), end)
             stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
@@ -196,7 +196,7 @@ class HFPolicy(_Text, nn.Module):
                 if not (env and going):
                     continue
                 completions[b].append(token)
-                called = env.tool_stop and not ended and env.tool_stop in self.decode(
+                called = env.tool_stop and env.tool_stop in self.decode(
                     completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):])
                 if ended or called:
                     new = self.insertion(env, rows[b][1], completions[b], turns[b])
@@ -204,9 +204,13 @@ class HFPolicy(_Text, nn.Module):
                     since[b] = len(completions[b]) + len(inserts[b])
             done = done | stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
-        toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
-        _check_finite(logps, end.cpu(), self.dtype)
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped)
+        toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
+        bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
+        if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
+            raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
+                             f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
+                             f"or float32; if it persists, the weights hold NaN or inf")
+        return [(toks[b, :n].clone(), logps[b, :n].clone(), own[b, :n], not stopped)
                 for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
 
     @torch.no_grad()
@@ -276,16 +280,6 @@ def _distinct_left_pad(seqs, pad, device):
     ids = torch.tensor([[pad] * (L - len(x)) + list(x) for x in first], device=device)          # [U, L]
     attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in first], device=device)     # [U, L]
     return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), torch.tensor(inv, device=device)      # pos [U, L]
-
-
-def _check_finite(logps, end, dtype):
-    """NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync).
-    logps [B, C] up to end [B]."""
-    bad = (~logps.isfinite() & (torch.arange(logps.shape[1]) < end[:, None])).any(0)   # [C]
-    if bad.any():
-        raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
-                         f"token), computing in {dtype}: float16 overflows, so use --dtype bfloat16 or "
-                         f"float32; if it persists, the weights hold NaN or inf")
 
 
 def _sample(logp):

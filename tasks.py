@@ -39,7 +39,7 @@ class CartPole:
         """Euler step of the Barto-Sutton-Anderson cart-pole. s [N, 4] float64, a [N] -> s' [N, 4]."""
         _, x_dot, th, th_dot = s.T
         total_mass, pml = self.masspole + self.masscart, self.masspole * self.length
-        force = np.where(a == 1, self.force_mag, -self.force_mag)
+        force = self.force_mag * (2 * a - 1)                                # action 1 pushes right, 0 left
         cos, sin = np.cos(th), np.sin(th)
         temp = (force + pml * th_dot**2 * sin) / total_mass
         th_acc = (self.gravity * sin - cos * temp) / (
@@ -150,10 +150,10 @@ def countdown_problem(rng):
     """3 or 4 numbers in 1..99 and a target in 1..999 built by folding them, in a random order, with
     random ops whose intermediate results stay positive integers; retried until in range."""
     while True:
-        nums = rng.integers(1, 100, size=int(rng.integers(3, 5))).tolist()
+        nums = rng.integers(1, 100, size=rng.integers(3, 5)).tolist()
         expr, *rest = map(str, rng.permutation(nums))          # folded in this order
         for x in rest:
-            op, flip = "+-*/"[rng.integers(4)], bool(rng.integers(2))
+            op, flip = "+-*/"[rng.integers(4)], rng.integers(2)
             expr = f"({x} {op} {expr})" if flip else f"({expr} {op} {x})"
             value = _evaluate(expr)                             # the game's evaluator: an exact Fraction
             if value <= 0 or value.denominator > 1:
@@ -282,10 +282,13 @@ class LLMTask:
                 raise ValueError(f"{type(self).__name__}.tool{inspect.signature(self.tool)} cannot be called "
                                  f"as tool(text) -> str: make it a plain function of one argument") from None
         self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
+        # a completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]
+        self.reward_range = -float(overlong_cache > 0), float(sum(w for w, _ in self.rewards))
         self.eval_set = self.eval_problems()
-        if len(self.eval_set) < max(eval_episodes, 10):
-            print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), "
-                  f"so eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
+        n_eval = len(self.eval_set)
+        if n_eval < max(eval_episodes, 10):
+            print(f"warning: only {n_eval} held-out problems (--eval-episodes {eval_episodes}), "
+                  f"so eval_acc moves in steps of {1 / max(n_eval, 1):.0%} and means little"
                   + (": use a larger --data (a tenth of it is held out)" if data else ""), file=sys.stderr)
 
     def sample(self, n, rng):
@@ -303,11 +306,6 @@ class LLMTask:
             if held_out(p["prompt"]):
                 out.setdefault(p["prompt"], p)
         return list(out.values())
-
-    @property
-    def reward_range(self):
-        """A completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]."""
-        return -float(self.overlong_cache > 0), float(sum(w for w, _ in self.rewards))
 
     def max_prompt_len(self, encode):
         """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
@@ -338,7 +336,6 @@ class LLMTask:
 
     def respond(self, problem, text):
         """After the model ended a turn (--max-turns > 1): the next user message, or None to end it all."""
-        return None
 
     def graded(self, decode, ids, sampled):
         """The text the verifiers read: the model's own runs of ids, each decoded, a line each (inserted spans
@@ -459,11 +456,11 @@ class Guess(LLMTask):
     rewards, informative = [(1.0, guess_reward)], True
 
     def problem(self, rng):
-        lo = int(rng.integers(1, 51))
-        hi = lo + int(rng.integers(20, 100))
+        lo = rng.integers(1, 51)
+        hi = lo + rng.integers(20, 100)
         return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
                           f"number only. If it is wrong, I will tell you, and you guess again.",
-                "answer": str(int(rng.integers(lo, hi + 1)))}
+                "answer": str(rng.integers(lo, hi + 1))}
 
     def respond(self, problem, text):
         """The last number in the text so far (the environment's turns have none) is the model's guess."""
