@@ -130,10 +130,9 @@ def countdown_reward(prompt, completion, answer):
 
 
 def calculator(expr):
-    """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: the expression is parsed,
-    never executed), a fraction as a decimal rounded to 6 places (never '7/2': a verifier reads 2). Bounded:
-    at most 64 characters in, 12 digits per number, 40 characters out. Anything else is an error message,
-    never raised, with no digit in it (none to be read as an answer)."""
+    """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: parsed, never run), a
+    fraction as a 6-place decimal (never '7/2': a verifier reads 2); at most 64 characters in, 12 digits a
+    number, 40 out. Else an error message with no digit (none to read as an answer), never raised."""
     expr = expr.strip()
     if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or re.search("[0-9]{13}", expr):
         return "error: write a short expression of digits, + - * / ( ) and spaces"
@@ -174,9 +173,8 @@ def _last_number(text):
 
 
 def gsm8k_reward(prompt, completion, answer):
-    """1.0 iff the last number of the last <answer> (of the whole completion when there is no tag,
-    so a model that ignores the format still gets a signal) equals the reference numerically:
-    '$1,234.50' == '1234.5'; a trailing '.' ends the number; '-5' is negative."""
+    """1.0 iff the last number of the last <answer> (of the whole completion if none: a signal for a model
+    ignoring the format) equals the reference: '$1,234.50' == '1234.5'; '5.' is 5; '-5' negative."""
     text = extract_answer(completion)
     got, ref = _last_number(completion if text is None else text), _last_number(answer)
     return float(got is not None and got == ref)
@@ -209,9 +207,8 @@ GSM8K_FIX = "each line needs \"question\" and \"answer\" (GSM8K format, answer e
 
 
 def load_gsm8k(path, split):
-    """[{"prompt", "answer": "42"}]. path "" loads openai/gsm8k from the hub (split train or test);
-    a local JSONL holds it out itself: a row is in "test" iff held_out(question), the rest is
-    "train". Blank lines are skipped; any other malformed row raises ValueError with its number."""
+    """[{"prompt", "answer": "42"}] of openai/gsm8k's split (path "": the hub) or a local JSONL's (test: rows
+    held_out(question)). Blank lines skipped; a malformed row raises ValueError with its number."""
     if split not in ("train", "test"):
         raise ValueError(f"GSM8K split {split!r}: use 'train' or 'test'")
     if not path:
@@ -248,15 +245,12 @@ def load_gsm8k(path, split):
 
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each
-    (completion ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool,
-    truncated) in CPU tensors. env: None, or this task, which answers mid-completion: after tool_stop (None:
-    no tool), reply(text so far) -> text to insert or None; after the model's end-of-turn token, up to
-    max_turns turns, respond(problem, text so far) -> the next user message, or None to end. The sampler
-    inserts their ids (sampled False, log-prob 0: context, never trained) and goes on. Procedural tasks
-    define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
-    rewards[0] is correctness (0/1): eval_acc and pass@k use it alone. The verifiers read the model's own
-    text, inserted spans cut (a calculator's reply is not the model's answer), unless reads_inserted."""
+    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each (completion
+    ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
+    tensors. env: None, or this task: after tool_stop the sampler inserts reply()'s ids, after the model's
+    end-of-turn token respond()'s (sampled False, log-prob 0: never trained). Procedural tasks define
+    problem(rng), held out iff held_out(its prompt): training draws skip that tenth. rewards[0]: correctness
+    (0/1), what eval_acc and pass@k read."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     train_set = None                            # data-backed tasks: every training problem
@@ -308,9 +302,8 @@ class LLMTask:
         return list(out.values())
 
     def max_prompt_len(self, encode):
-        """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
-        max_new_tokens). Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws,
-        + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
+        """The longest prompt in tokens of encode (vLLM's max_model_len): exact if data-backed, else the eval
+        set's and 2,000 draws' + 10% + 8 (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
         exact = self.train_set is not None
         drawn = self.train_set if exact else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1))
         longest = max(map(len, self.prompt_ids(encode, self.eval_set + drawn)))
@@ -321,10 +314,9 @@ class LLMTask:
         return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else "")) for p in problems]
 
     def reply(self, text):
-        """The text so far, just ending in tool_stop -> the reply to insert, or None: no call (no digit before
-        the "="), or max_tool_calls replies already. The call is the run of calculator characters before the
-        "="; a tool that raises replies with its error's name (no digits), for the model to learn from: the
-        loop never raises."""
+        """The text so far, ending in tool_stop -> the reply to insert, or None: no call (no digit before the
+        "=") or max_tool_calls replies already. The call: the run of calculator characters before the "="; a
+        tool that raises replies its error's name (no digits), for the model to learn from."""
         head = text.rpartition(self.tool_stop)[0]
         expr = head[len(head.rstrip("0123456789+*/() -")):]      # linear; a regex's [..]*$ was quadratic
         if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
@@ -373,9 +365,8 @@ class LLMTask:
         return float(hits), records
 
     def evaluate(self, policy, rank=0, world=1):
-        """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
-        so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct.
-        samples: this rank's greedy completions as samples.jsonl records (train.py writes rank 0's)."""
+        """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed: 8 ranks
+        evaluate once, not 8 times); pass_at_k: one of pass_k samples right; samples: this rank's records."""
         mine, n = self.eval_set[rank::world], len(self.eval_set)
         hits, samples = self._solved(policy, mine, 1, True)
         out = {"eval_acc": all_sum(hits) / n, "samples": samples}
@@ -432,9 +423,8 @@ class MaxDigit(LLMTask):
 
 
 class Addition(LLMTask):
-    """'What is 47 + 85?': two random 2-digit numbers (8,100 prompts); correct iff the completion's last
-    number is their sum (GSM8K's verifier, with no tags needed). A real small model's task:
-    SmolLM2-135M-Instruct explains at length and runs out of tokens, so it starts low but above zero."""
+    """'What is 47 + 85?' (8,100 prompts), correct iff the last number is the sum (GSM8K's verifier, no tags).
+    SmolLM2-135M-Instruct explains at length, runs out of tokens: starts low, above 0."""
     rewards, op = [(1.0, gsm8k_reward)], "+"
 
     def problem(self, rng):
@@ -450,9 +440,8 @@ class Multiply(Addition):
 
 
 class Guess(LLMTask):
-    """Guess the number (--max-turns 7): a secret in lo..hi (at most 100 numbers); after each wrong guess the
-    environment's turn says whether the secret is higher or lower, all a binary search needs (2^7 > 100).
-    Solved iff the model's last guess is the secret. GuessBlind, the control, says only that it is wrong."""
+    """Guess the number in lo..hi (<= 100 numbers; --max-turns 7): the environment says higher or lower after
+    a wrong guess, all a binary search needs (2^7 > 100). GuessBlind, the control, only says wrong."""
     rewards, informative = [(1.0, guess_reward)], True
 
     def problem(self, rng):
