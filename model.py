@@ -69,9 +69,8 @@ class _Text:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def insertion(self, env, problem, ids, turns):
-        """What goes after a stop the model sampled, as ids: after its end-of-turn token (ids[-1]), while
-        turns < max_turns, the environment's next user turn, or None: the episode ends; after a call, the
-        tool's reply ([]: no call). ids: the completion so far; the environment reads it decoded."""
+        """The ids to insert after a stop the model sampled: after its end-of-turn token, the next user turn
+        (None: the episode ends); after a call, the tool's reply ([]: no call)."""
         if ids[-1] not in self.eos:
             reply = env.reply(self.decode(ids))
             return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
@@ -79,9 +78,8 @@ class _Text:
         return None if message is None else self.turn_ids(message)
 
     def turn_ids(self, message):
-        """The ids that follow the model's end-of-turn token: the chat template's rendering of the next user
-        turn and the assistant header, cut from a whole chat after a marked assistant turn and its end token
-        (no template: the message's own ids, as encode_prompt's plain text)."""
+        """The ids after the model's end-of-turn token: the chat template's next user turn and assistant
+        header, cut from a chat after a marked assistant turn (no template: the message's own ids)."""
         if not self.tok.chat_template:
             return self.tok(message, add_special_tokens=False)["input_ids"]
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
@@ -154,8 +152,7 @@ class HFPolicy(_Text, nn.Module):
     @torch.no_grad()
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
-        rows = [(p, q) for p, q in zip(prompt_ids, problems or itertools.repeat(None))   # q: for env.respond
-                for _ in range(group_size)]
+        rows = [row for row in zip(prompt_ids, problems or itertools.repeat(None)) for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
                     for s in self._generate(rows[i:i + self.gen_batch], greedy, env)]
@@ -168,7 +165,7 @@ class HFPolicy(_Text, nn.Module):
         the cache valid), as their own ids: re-encoding the text can merge tokens across the seam."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
-        end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
+        end = torch.zeros_like(inv)         # [B] lengths: steps to its last sampled id (its stop token kept)
         cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
         # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
         completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
@@ -187,8 +184,7 @@ class HFPolicy(_Text, nn.Module):
             nxt = torch.where(feeding, feed, nxt)
             own = ~(done | feeding)                                               # [B] the model's sample
             steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), own))
-            # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
-            end = torch.where(own, len(steps), end)
+            end = torch.where(own, len(steps), end)                     # an insertion cut short is dropped
             stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
@@ -445,11 +441,10 @@ class VLLMGenerator(_Text):
                 shutil.rmtree(folder)
 
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
-        """HFPolicy.act's contract, one request per sample: vLLM splits an n-sample request into such ones
-        anyway (and refuses n > 1 when greedy); request i of a call seeded seed + i, seed from torch's RNG,
-        which a worker seeds per lease (as HFPolicy's): workers draw apart. Insertions, token in, token out: a
-        request stops at a call (env.tool_stop, while calls are left) or at a turn's end, and the one going on
-        from its ids and the inserted ones enters the engine at once, not after a round's slowest sample."""
+        """HFPolicy.act's contract, one request per sample (vLLM splits n-sample requests so anyway, and
+        refuses n > 1 when greedy), request i seeded seed + i, seed from torch's RNG, which workers seed per
+        lease: they draw apart. A request stops at a call or a turn's end; its continuation (its ids and the
+        inserted ones) enters the engine at once, not after a round's slowest sample."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         problems, tool_stop = problems or itertools.repeat(None), env and env.tool_stop

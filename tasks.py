@@ -1,6 +1,5 @@
-"""Tasks: sample(n) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
-Invariant: training prompts and held-out prompts are disjoint by construction, and every member of a group
-starts from the same prompt (the same initial state, for control)."""
+"""Tasks: sample(n, rng) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
+Invariants: training and held-out prompts are disjoint by construction; a group shares a prompt (a seed)."""
 import ast
 import hashlib
 import inspect
@@ -118,9 +117,8 @@ def _evaluate(expr):
 
 
 def countdown_reward(prompt, completion, answer):
-    """1.0 iff the last <answer> is an expression over ASCII digits, + - * / ( ) and spaces that uses
-    the given numbers exactly once each (as a multiset, not split or concatenated) and equals the
-    target exactly (Fraction arithmetic, so 7/2*2 == 7). Leading zeros ('07') are rejected."""
+    """1.0 iff the last <answer> is an expression of ASCII digits, + - * / ( ) and spaces using the given
+    numbers once each (as a multiset; none split, joined or '07') equal to the target exactly (7/2*2 == 7)."""
     expr = extract_answer(completion)
     if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
         return 0.0
