@@ -106,13 +106,11 @@ def _evaluate(expr):
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
             return Fraction(node.value)
-        if isinstance(node, ast.BinOp):                 # KeyError: not an operator of the game
-            return _OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("not an operator of the game")
+        return _OPS[type(node.op)](value(node.left), value(node.right))   # '-3': KeyError; '3(4)': no .op
 
     try:
         return value(ast.parse(expr, mode="eval").body)
-    except (SyntaxError, ValueError, KeyError, ZeroDivisionError):
+    except (SyntaxError, AttributeError, KeyError, ZeroDivisionError):
         return None
 
 
@@ -190,8 +188,7 @@ def maxdigit_reward(prompt, completion, answer):
 def overlong_penalty(n_tokens, max_new_tokens, cache):
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
     -1 at max_new_tokens. cache == 0 turns it off."""
-    over = n_tokens - (max_new_tokens - cache)                  # tokens past the free length
-    return 0.0 if cache <= 0 or over <= 0 else max(-1.0, -over / cache)
+    return max(-1.0, min(0.0, (max_new_tokens - cache - n_tokens) / cache)) if cache > 0 else 0.0
 
 
 def held_out(text):
@@ -359,8 +356,7 @@ class LLMTask:
             records.append(sample_record(policy.decode, p["prompt"], c, sampled, kind="eval",
                                          reward=self.score(p, text, len(c)),
                                          correct=fn(p["prompt"], text, p["answer"]) == 1.0))
-        hits = np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()
-        return float(hits), records
+        return float(np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()), records
 
     def evaluate(self, policy, rank=0, world=1):
         """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed: 8 ranks
