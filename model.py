@@ -73,7 +73,7 @@ class _Text:
         (None: the episode ends); after a call, the tool's reply ([]: no call)."""
         if ids[-1] not in self.eos:
             reply = env.reply(self.decode(ids))
-            return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
+            return self.tok.encode(reply, add_special_tokens=False) if reply else []
         message = env.respond(problem, self.decode(ids)) if turns < env.max_turns else None
         return None if message is None else self.turn_ids(message)
 
@@ -81,12 +81,12 @@ class _Text:
         """The ids after the model's end-of-turn token: the chat template's next user turn and assistant
         header, cut from a chat after a marked assistant turn (no template: the message's own ids)."""
         if not self.tok.chat_template:
-            return self.tok(message, add_special_tokens=False)["input_ids"]
+            return self.tok.encode(message, add_special_tokens=False)
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
                 {"role": "user", "content": message}]
         text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                             enable_thinking=self.thinking)
-        ids = self.tok(text.partition(TURN_MARK)[2], add_special_tokens=False)["input_ids"]
+        ids = self.tok.encode(text.partition(TURN_MARK)[2], add_special_tokens=False)
         if not ids or ids[0] not in self.eos:
             raise ValueError(f"{self.tok.name_or_path}'s chat template ends no assistant turn with a stop id "
                              f"{self.eos}: --max-turns needs a chat model whose template does")
@@ -180,12 +180,11 @@ class HFPolicy(_Text, nn.Module):
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
             feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
-            feeding = feed >= 0                                                           # [B] inserted
-            nxt = torch.where(feeding, feed, nxt)
-            own = ~(done | feeding)                                               # [B] the model's sample
-            steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), own))
+            nxt = torch.where(feed >= 0, feed, nxt)
+            own = ~done & (feed < 0)                          # [B] the model's sample: not inserted, not done
+            steps.append((nxt, torch.where(own, logp.gather(1, nxt[:, None])[:, 0], 0.0), own))
             end = torch.where(own, len(steps), end)                     # an insertion cut short is dropped
-            stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
+            stop = torch.isin(nxt, eos) & own                                             # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
             for b, (token, going, ended) in enumerate(zip(nxt.tolist(), (~done).tolist(), stop.tolist())):
@@ -261,8 +260,7 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
         model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
               logits_to_keep=1, **{cache_key: cache})
         cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)  # attn [mb, L + S]
-    # use_cache only with the prefix cache: asked without one, a model makes its own, which a
-    # checkpointed replay writes twice (transformers' Llama overrides it, with a warning)
+    # use_cache only with the prefix cache: a model's own would be written twice by a checkpointed replay
     return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                  **{cache_key: cache}).logits                                 # [mb, S, V]
 
@@ -388,8 +386,7 @@ class VLLMGenerator(_Text):
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
         """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so the
         sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6; bf16's is larger, logged)."""
-        # checked before vLLM loads anything (its own message names max_lora_rank, not --lora-r)
-        if lora_r not in self.RANKS:
+        if lora_r not in self.RANKS:        # before vLLM loads: its message names max_lora_rank, not --lora-r
             raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of "
                              f"{', '.join(map(str, self.RANKS))}")
         try:
@@ -484,11 +481,10 @@ class VLLMGenerator(_Text):
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
-    """A character-level tokenizer and a few-layer Llama LM with random weights, saved with save_pretrained
-    so it loads through the same --model PATH code as an 8B model. Llama, because AutoTokenizer reloads a
-    Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer silently drops spaces and newlines."""
+    """A character-level tokenizer and a few-layer random Llama, saved as a --model PATH. Llama: AutoTokenizer
+    reloads a Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer drops spaces and newlines."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     vocab = {c: i for i, c in enumerate(["<|pad|>", "<|endoftext|>", "<|unk|>", *dict.fromkeys(chars)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character a token
@@ -499,9 +495,7 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, pad_token_id=0,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
                       max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
-    model.save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)     # generation_config: cfg's EOS and pad
     return path
 
 

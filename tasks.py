@@ -101,7 +101,7 @@ def format_reward(prompt, completion, answer):
 def _evaluate(expr):
     """Exact Fraction value, parsed, never run, of an expression already checked to be at most MAX_EXPR ASCII
     digits, + - * / ( ) and spaces (~100 nested parentheses: inside the parser's and this recursion's limits).
-    None on a syntax error ('3 4', '()', unbalanced), on x/0 or on another node ('-3', '**', '//', '3(4)')."""
+    None on a syntax error ('3 4', unbalanced), on x/0 or on another node ('-3', '**', '//', '3(4)', '()')."""
 
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
