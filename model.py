@@ -68,30 +68,25 @@ class _Text:
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def reply_ids(self, env, ids):
-        reply = env.reply(self.decode(ids))
-        return self.tok(reply, add_special_tokens=False)["input_ids"] if reply else []
-
     def insertion(self, env, problem, ids, turns):
-        """What goes after a stop the model sampled, as ids: after its end-of-turn token (ids[-1]), while
-        turns < max_turns, the environment's next user turn, or None: the episode ends; after a call, the
-        tool's reply ([]: no call). ids: the completion so far; the environment reads it decoded."""
+        """The ids to insert after a stop the model sampled: after its end-of-turn token, the next user turn
+        (None: the episode ends); after a call, the tool's reply ([]: no call)."""
         if ids[-1] not in self.eos:
-            return self.reply_ids(env, ids)
+            reply = env.reply(self.decode(ids))
+            return self.tok.encode(reply, add_special_tokens=False) if reply else []
         message = env.respond(problem, self.decode(ids)) if turns < env.max_turns else None
         return None if message is None else self.turn_ids(message)
 
     def turn_ids(self, message):
-        """The ids that follow the model's end-of-turn token: the chat template's rendering of the next user
-        turn and the assistant header, cut from a whole chat after a marked assistant turn and its end token
-        (no template: the message's own ids, as encode_prompt's plain text)."""
+        """The ids after the model's end-of-turn token: the chat template's next user turn and assistant
+        header, cut from a chat after a marked assistant turn (no template: the message's own ids)."""
         if not self.tok.chat_template:
-            return self.tok(message, add_special_tokens=False)["input_ids"]
+            return self.tok.encode(message, add_special_tokens=False)
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
                 {"role": "user", "content": message}]
         text = self.tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True,
                                             enable_thinking=self.thinking)
-        ids = self.tok(text.partition(TURN_MARK)[2], add_special_tokens=False)["input_ids"]
+        ids = self.tok.encode(text.partition(TURN_MARK)[2], add_special_tokens=False)
         if not ids or ids[0] not in self.eos:
             raise ValueError(f"{self.tok.name_or_path}'s chat template ends no assistant turn with a stop id "
                              f"{self.eos}: --max-turns needs a chat model whose template does")
@@ -157,8 +152,7 @@ class HFPolicy(_Text, nn.Module):
     @torch.no_grad()
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
         """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
-        problems = problems or [None] * len(prompt_ids)         # read only by env.respond
-        rows = [(p, q) for p, q in zip(prompt_ids, problems) for _ in range(group_size)]
+        rows = [row for row in zip(prompt_ids, problems or itertools.repeat(None)) for _ in range(group_size)]
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
                     for s in self._generate(rows[i:i + self.gen_batch], greedy, env)]
@@ -166,14 +160,13 @@ class HFPolicy(_Text, nn.Module):
     def _generate(self, rows, greedy, env):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
-        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call; the environment's next user
-        turn after an end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows
-        stay in lockstep, the cache valid), as their own ids: re-encoding the decoded text can merge tokens
-        across the seam, changing the log-probs."""
+        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call, the next user turn after an
+        end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows in lockstep,
+        the cache valid), as their own ids: re-encoding the text can merge tokens across the seam."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
-        end = torch.zeros_like(inv)                            # [B] lengths: steps to its last sampled id
-        cache, steps = None, []                 # per step: (ids, sampler log-probs, inserted), [B] each
+        end = torch.zeros_like(inv)         # [B] lengths: steps to its last sampled id (its stop token kept)
+        cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
         # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
         completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
         turns = [1] * len(rows)
@@ -186,20 +179,19 @@ class HFPolicy(_Text, nn.Module):
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
-            feeding = torch.tensor([bool(r) for r in inserts], device=self.device)        # [B] inserted
-            if any(inserts):
-                nxt[feeding] = torch.tensor([r.pop(0) for r in inserts if r], device=self.device)
-            steps.append((nxt, torch.where(feeding, 0.0, logp.gather(1, nxt[:, None])[:, 0]), feeding))
-            # a row ends at its stop token (kept); cut inside an insertion, at its call or turn's end
-            end = torch.where(done | feeding, end, len(steps))
-            stop = torch.isin(nxt, eos) & ~feeding                                        # [B] a turn ended
+            feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
+            nxt = torch.where(feed >= 0, feed, nxt)
+            own = ~done & (feed < 0)                          # [B] the model's sample: not inserted, not done
+            steps.append((nxt, torch.where(own, logp.gather(1, nxt[:, None])[:, 0], 0.0), own))
+            end = torch.where(own, len(steps), end)                     # an insertion cut short is dropped
+            stop = torch.isin(nxt, eos) & own                                             # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
             for b, (token, going, ended) in enumerate(zip(nxt.tolist(), (~done).tolist(), stop.tolist())):
                 if not (env and going):
                     continue
                 completions[b].append(token)
-                called = env.tool_stop and not ended and env.tool_stop in self.decode(
+                called = env.tool_stop and env.tool_stop in self.decode(
                     completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):])
                 if ended or called:
                     new = self.insertion(env, rows[b][1], completions[b], turns[b])
@@ -207,9 +199,13 @@ class HFPolicy(_Text, nn.Module):
                     since[b] = len(completions[b]) + len(inserts[b])
             done = done | stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
-        toks, logps, fed = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
-        _check_finite(logps, end.cpu(), self.dtype)
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), ~fed[b, :n], not stopped)
+        toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
+        bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
+        if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
+            raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
+                             f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
+                             f"or float32; if it persists, the weights hold NaN or inf")
+        return [(toks[b, :n].clone(), logps[b, :n].clone(), own[b, :n], not stopped)
                 for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
 
     @torch.no_grad()
@@ -264,8 +260,7 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
         model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
               logits_to_keep=1, **{cache_key: cache})
         cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)  # attn [mb, L + S]
-    # use_cache only with the prefix cache: asked without one, a model makes its own, which a
-    # checkpointed replay writes twice (transformers' Llama overrides it, with a warning)
+    # use_cache only with the prefix cache: a model's own would be written twice by a checkpointed replay
     return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                  **{cache_key: cache}).logits                                 # [mb, S, V]
 
@@ -279,16 +274,6 @@ def _distinct_left_pad(seqs, pad, device):
     ids = torch.tensor([[pad] * (L - len(x)) + list(x) for x in first], device=device)          # [U, L]
     attn = torch.tensor([[0] * (L - len(x)) + [1] * len(x) for x in first], device=device)     # [U, L]
     return ids, attn, (attn.cumsum(1) - 1).clamp(min=0), torch.tensor(inv, device=device)      # pos [U, L]
-
-
-def _check_finite(logps, end, dtype):
-    """NaN logits (fp16 overflow) sample the last id and log NaN: checked once, not per step (a host sync).
-    logps [B, C] up to end [B]."""
-    bad = (~logps.isfinite() & (torch.arange(logps.shape[1]) < end[:, None])).any(0)   # [C]
-    if bad.any():
-        raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
-                         f"token), computing in {dtype}: float16 overflows, so use --dtype bfloat16 or "
-                         f"float32; if it persists, the weights hold NaN or inf")
 
 
 def _sample(logp):
@@ -401,8 +386,7 @@ class VLLMGenerator(_Text):
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
         """prompt_len(encode) -> the longest prompt in tokens. dtype: the trainer's --dtype by default, so the
         sampler computes what the trainer scores (fp32 on a CPU: logp_gap ~6e-6; bf16's is larger, logged)."""
-        # checked before vLLM loads anything (its own message names max_lora_rank, not --lora-r)
-        if lora_r not in self.RANKS:
+        if lora_r not in self.RANKS:        # before vLLM loads: its message names max_lora_rank, not --lora-r
             raise ValueError(f"--lora-r {lora_r} is not a rank vLLM serves: use one of "
                              f"{', '.join(map(str, self.RANKS))}")
         try:
@@ -454,14 +438,13 @@ class VLLMGenerator(_Text):
                 shutil.rmtree(folder)
 
     def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
-        """HFPolicy.act's contract, one request per sample: vLLM splits an n-sample request into such ones
-        anyway (and refuses n > 1 when greedy); request i of a call seeded seed + i, seed from torch's RNG,
-        which a worker seeds per lease (as HFPolicy's): workers draw apart. Insertions, token in, token out: a
-        request stops at a call (env.tool_stop, while calls are left) or at a turn's end, and the one going on
-        from its ids and the inserted ones enters the engine at once, not after a round's slowest sample."""
+        """HFPolicy.act's contract, one request per sample (vLLM splits n-sample requests so anyway, and
+        refuses n > 1 when greedy), request i seeded seed + i, seed from torch's RNG, which workers seed per
+        lease: they draw apart. A request stops at a call or a turn's end; its continuation (its ids and the
+        inserted ones) enters the engine at once, not after a round's slowest sample."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        problems, tool_stop = problems or [None] * len(prompt_ids), env and env.tool_stop
+        problems, tool_stop = problems or itertools.repeat(None), env and env.tool_stop
         # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns, calls
         samples = [[p, [], [], [], True, q, 1, 0] for p, q in zip(prompt_ids, problems)
                    for _ in range(group_size)]
@@ -498,11 +481,10 @@ class VLLMGenerator(_Text):
 
 
 def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
-    """A character-level tokenizer and a few-layer Llama LM with random weights, saved with save_pretrained
-    so it loads through the same --model PATH code as an 8B model. Llama, because AutoTokenizer reloads a
-    Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer silently drops spaces and newlines."""
+    """A character-level tokenizer and a few-layer random Llama, saved as a --model PATH. Llama: AutoTokenizer
+    reloads a Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer drops spaces and newlines."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
     vocab = {c: i for i, c in enumerate(["<|pad|>", "<|endoftext|>", "<|unk|>", *dict.fromkeys(chars)])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character a token
@@ -513,9 +495,7 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, pad_token_id=0,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
                       max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
-    model.save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)     # generation_config: cfg's EOS and pad
     return path
 
 

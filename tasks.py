@@ -1,6 +1,5 @@
-"""Tasks: sample(n) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
-Invariant: training prompts and held-out prompts are disjoint by construction, and every member of a group
-starts from the same prompt (the same initial state, for control)."""
+"""Tasks: sample(n, rng) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
+Invariants: training and held-out prompts are disjoint by construction; a group shares a prompt (a seed)."""
 import ast
 import hashlib
 import inspect
@@ -39,7 +38,7 @@ class CartPole:
         """Euler step of the Barto-Sutton-Anderson cart-pole. s [N, 4] float64, a [N] -> s' [N, 4]."""
         _, x_dot, th, th_dot = s.T
         total_mass, pml = self.masspole + self.masscart, self.masspole * self.length
-        force = np.where(a == 1, self.force_mag, -self.force_mag)
+        force = self.force_mag * (2 * a - 1)                                # action 1 pushes right, 0 left
         cos, sin = np.cos(th), np.sin(th)
         temp = (force + pml * th_dot**2 * sin) / total_mass
         th_acc = (self.gravity * sin - cos * temp) / (
@@ -102,25 +101,22 @@ def format_reward(prompt, completion, answer):
 def _evaluate(expr):
     """Exact Fraction value, parsed, never run, of an expression already checked to be at most MAX_EXPR ASCII
     digits, + - * / ( ) and spaces (~100 nested parentheses: inside the parser's and this recursion's limits).
-    None on a syntax error ('3 4', '()', unbalanced), on x/0 or on another node ('-3', '**', '//', '3(4)')."""
+    None on a syntax error ('3 4', unbalanced), on x/0 or on another node ('-3', '**', '//', '3(4)', '()')."""
 
     def value(node):
         if isinstance(node, ast.Constant):              # only digits get here: an int
             return Fraction(node.value)
-        if isinstance(node, ast.BinOp):                 # KeyError: not an operator of the game
-            return _OPS[type(node.op)](value(node.left), value(node.right))
-        raise ValueError("not an operator of the game")
+        return _OPS[type(node.op)](value(node.left), value(node.right))   # '-3': KeyError; '3(4)': no .op
 
     try:
         return value(ast.parse(expr, mode="eval").body)
-    except (SyntaxError, ValueError, KeyError, ZeroDivisionError):
+    except (SyntaxError, AttributeError, KeyError, ZeroDivisionError):
         return None
 
 
 def countdown_reward(prompt, completion, answer):
-    """1.0 iff the last <answer> is an expression over ASCII digits, + - * / ( ) and spaces that uses
-    the given numbers exactly once each (as a multiset, not split or concatenated) and equals the
-    target exactly (Fraction arithmetic, so 7/2*2 == 7). Leading zeros ('07') are rejected."""
+    """1.0 iff the last <answer> is an expression of ASCII digits, + - * / ( ) and spaces using the given
+    numbers once each (as a multiset; none split, joined or '07') equal to the target exactly (7/2*2 == 7)."""
     expr = extract_answer(completion)
     if expr is None or len(expr) > MAX_EXPR or not set(expr) <= _EXPR_CHARS:
         return 0.0
@@ -130,10 +126,9 @@ def countdown_reward(prompt, completion, answer):
 
 
 def calculator(expr):
-    """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: the expression is parsed,
-    never executed), a fraction as a decimal rounded to 6 places (never '7/2': a verifier reads 2). Bounded:
-    at most 64 characters in, 12 digits per number, 40 characters out. Anything else is an error message,
-    never raised, with no digit in it (none to be read as an answer)."""
+    """The calculator tool: + - * / ( ) on integers, exact (Countdown's evaluator: parsed, never run), a
+    fraction as a 6-place decimal (never '7/2': a verifier reads 2); at most 64 characters in, 12 digits a
+    number, 40 out. Else an error message with no digit (none to read as an answer), never raised."""
     expr = expr.strip()
     if len(expr) > 64 or not set(expr) <= _EXPR_CHARS or re.search("[0-9]{13}", expr):
         return "error: write a short expression of digits, + - * / ( ) and spaces"
@@ -150,10 +145,10 @@ def countdown_problem(rng):
     """3 or 4 numbers in 1..99 and a target in 1..999 built by folding them, in a random order, with
     random ops whose intermediate results stay positive integers; retried until in range."""
     while True:
-        nums = rng.integers(1, 100, size=int(rng.integers(3, 5))).tolist()
+        nums = rng.integers(1, 100, size=rng.integers(3, 5)).tolist()
         expr, *rest = map(str, rng.permutation(nums))          # folded in this order
         for x in rest:
-            op, flip = "+-*/"[rng.integers(4)], bool(rng.integers(2))
+            op, flip = "+-*/"[rng.integers(4)], rng.integers(2)
             expr = f"({x} {op} {expr})" if flip else f"({expr} {op} {x})"
             value = _evaluate(expr)                             # the game's evaluator: an exact Fraction
             if value <= 0 or value.denominator > 1:
@@ -174,9 +169,8 @@ def _last_number(text):
 
 
 def gsm8k_reward(prompt, completion, answer):
-    """1.0 iff the last number of the last <answer> (of the whole completion when there is no tag,
-    so a model that ignores the format still gets a signal) equals the reference numerically:
-    '$1,234.50' == '1234.5'; a trailing '.' ends the number; '-5' is negative."""
+    """1.0 iff the last number of the last <answer> (of the whole completion if none: a signal for a model
+    ignoring the format) equals the reference: '$1,234.50' == '1234.5'; '5.' is 5; '-5' negative."""
     text = extract_answer(completion)
     got, ref = _last_number(completion if text is None else text), _last_number(answer)
     return float(got is not None and got == ref)
@@ -194,8 +188,7 @@ def maxdigit_reward(prompt, completion, answer):
 def overlong_penalty(n_tokens, max_new_tokens, cache):
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
     -1 at max_new_tokens. cache == 0 turns it off."""
-    over = n_tokens - (max_new_tokens - cache)                  # tokens past the free length
-    return 0.0 if cache <= 0 or over <= 0 else max(-1.0, -over / cache)
+    return max(-1.0, min(0.0, (max_new_tokens - cache - n_tokens) / cache)) if cache > 0 else 0.0
 
 
 def held_out(text):
@@ -209,9 +202,8 @@ GSM8K_FIX = "each line needs \"question\" and \"answer\" (GSM8K format, answer e
 
 
 def load_gsm8k(path, split):
-    """[{"prompt", "answer": "42"}]. path "" loads openai/gsm8k from the hub (split train or test);
-    a local JSONL holds it out itself: a row is in "test" iff held_out(question), the rest is
-    "train". Blank lines are skipped; any other malformed row raises ValueError with its number."""
+    """[{"prompt", "answer": "42"}] of openai/gsm8k's split (path "": the hub) or a local JSONL's (test: rows
+    held_out(question)). Blank lines skipped; a malformed row raises ValueError with its number."""
     if split not in ("train", "test"):
         raise ValueError(f"GSM8K split {split!r}: use 'train' or 'test'")
     if not path:
@@ -248,15 +240,12 @@ def load_gsm8k(path, split):
 
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each
-    (completion ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool,
-    truncated) in CPU tensors. env: None, or this task, which answers mid-completion: after tool_stop (None:
-    no tool), reply(text so far) -> text to insert or None; after the model's end-of-turn token, up to
-    max_turns turns, respond(problem, text so far) -> the next user message, or None to end. The sampler
-    inserts their ids (sampled False, log-prob 0: context, never trained) and goes on. Procedural tasks
-    define problem(rng); one is held out iff held_out(its prompt): training draws skip that tenth.
-    rewards[0] is correctness (0/1): eval_acc and pass@k use it alone. The verifiers read the model's own
-    text, inserted spans cut (a calculator's reply is not the model's answer), unless reads_inserted."""
+    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each (completion
+    ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
+    tensors. env: None, or this task: after tool_stop the sampler inserts reply()'s ids, after the model's
+    end-of-turn token respond()'s (sampled False, log-prob 0: never trained). Procedural tasks define
+    problem(rng), held out iff held_out(its prompt): training draws skip that tenth. rewards[0]: correctness
+    (0/1), what eval_acc and pass@k read."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     train_set = None                            # data-backed tasks: every training problem
@@ -282,10 +271,13 @@ class LLMTask:
                 raise ValueError(f"{type(self).__name__}.tool{inspect.signature(self.tool)} cannot be called "
                                  f"as tool(text) -> str: make it a plain function of one argument") from None
         self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
+        # a completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]
+        self.reward_range = -float(overlong_cache > 0), float(sum(w for w, _ in self.rewards))
         self.eval_set = self.eval_problems()
-        if len(self.eval_set) < max(eval_episodes, 10):
-            print(f"warning: only {len(self.eval_set)} held-out problems (--eval-episodes {eval_episodes}), "
-                  f"so eval_acc moves in steps of {1 / max(len(self.eval_set), 1):.0%} and means little"
+        n_eval = len(self.eval_set)
+        if n_eval < max(eval_episodes, 10):
+            print(f"warning: only {n_eval} held-out problems (--eval-episodes {eval_episodes}), "
+                  f"so eval_acc moves in steps of {1 / max(n_eval, 1):.0%} and means little"
                   + (": use a larger --data (a tenth of it is held out)" if data else ""), file=sys.stderr)
 
     def sample(self, n, rng):
@@ -304,15 +296,9 @@ class LLMTask:
                 out.setdefault(p["prompt"], p)
         return list(out.values())
 
-    @property
-    def reward_range(self):
-        """A completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]."""
-        return -float(self.overlong_cache > 0), float(sum(w for w, _ in self.rewards))
-
     def max_prompt_len(self, encode):
-        """The longest prompt in tokens of encode (vLLM's max_model_len; a batch's T <= this +
-        max_new_tokens). Data-backed tasks: exact. Procedural ones: over the eval set and 2,000 draws,
-        + 10% + 8 tokens for a longer draw missed (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
+        """The longest prompt in tokens of encode (vLLM's max_model_len): exact if data-backed, else the eval
+        set's and 2,000 draws' + 10% + 8 (Countdown, SmolLM2: 111 at most in 32,000 draws)."""
         exact = self.train_set is not None
         drawn = self.train_set if exact else self.sample(2000, np.random.default_rng(EVAL_SEED0 + 1))
         longest = max(map(len, self.prompt_ids(encode, self.eval_set + drawn)))
@@ -323,10 +309,9 @@ class LLMTask:
         return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else "")) for p in problems]
 
     def reply(self, text):
-        """The text so far, just ending in tool_stop -> the reply to insert, or None: no call (no digit before
-        the "="), or max_tool_calls replies already. The call is the run of calculator characters before the
-        "="; a tool that raises replies with its error's name (no digits), for the model to learn from: the
-        loop never raises."""
+        """The text so far, ending in tool_stop -> the reply to insert, or None: no call (no digit before the
+        "=") or max_tool_calls replies already. The call: the run of calculator characters before the "="; a
+        tool that raises replies its error's name (no digits), for the model to learn from."""
         head = text.rpartition(self.tool_stop)[0]
         expr = head[len(head.rstrip("0123456789+*/() -")):]      # linear; a regex's [..]*$ was quadratic
         if not re.search("[0-9]", expr) or text.count("<result>") >= self.max_tool_calls:
@@ -338,7 +323,6 @@ class LLMTask:
 
     def respond(self, problem, text):
         """After the model ended a turn (--max-turns > 1): the next user message, or None to end it all."""
-        return None
 
     def graded(self, decode, ids, sampled):
         """The text the verifiers read: the model's own runs of ids, each decoded, a line each (inserted spans
@@ -372,13 +356,11 @@ class LLMTask:
             records.append(sample_record(policy.decode, p["prompt"], c, sampled, kind="eval",
                                          reward=self.score(p, text, len(c)),
                                          correct=fn(p["prompt"], text, p["answer"]) == 1.0))
-        hits = np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()
-        return float(hits), records
+        return float(np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()), records
 
     def evaluate(self, policy, rank=0, world=1):
-        """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed over ranks,
-        so 8 ranks evaluate once, not 8 times); pass_at_k: fraction with one of pass_k samples correct.
-        samples: this rank's greedy completions as samples.jsonl records (train.py writes rank 0's)."""
+        """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed: 8 ranks
+        evaluate once, not 8 times); pass_at_k: one of pass_k samples right; samples: this rank's records."""
         mine, n = self.eval_set[rank::world], len(self.eval_set)
         hits, samples = self._solved(policy, mine, 1, True)
         out = {"eval_acc": all_sum(hits) / n, "samples": samples}
@@ -435,9 +417,8 @@ class MaxDigit(LLMTask):
 
 
 class Addition(LLMTask):
-    """'What is 47 + 85?': two random 2-digit numbers (8,100 prompts); correct iff the completion's last
-    number is their sum (GSM8K's verifier, with no tags needed). A real small model's task:
-    SmolLM2-135M-Instruct explains at length and runs out of tokens, so it starts low but above zero."""
+    """'What is 47 + 85?' (8,100 prompts), correct iff the last number is the sum (GSM8K's verifier, no tags).
+    SmolLM2-135M-Instruct explains at length, runs out of tokens: starts low, above 0."""
     rewards, op = [(1.0, gsm8k_reward)], "+"
 
     def problem(self, rng):
@@ -453,17 +434,16 @@ class Multiply(Addition):
 
 
 class Guess(LLMTask):
-    """Guess the number (--max-turns 7): a secret in lo..hi (at most 100 numbers); after each wrong guess the
-    environment's turn says whether the secret is higher or lower, all a binary search needs (2^7 > 100).
-    Solved iff the model's last guess is the secret. GuessBlind, the control, says only that it is wrong."""
+    """Guess the number in lo..hi (<= 100 numbers; --max-turns 7): the environment says higher or lower after
+    a wrong guess, all a binary search needs (2^7 > 100). GuessBlind, the control, only says wrong."""
     rewards, informative = [(1.0, guess_reward)], True
 
     def problem(self, rng):
-        lo = int(rng.integers(1, 51))
-        hi = lo + int(rng.integers(20, 100))
+        lo = rng.integers(1, 51)
+        hi = lo + rng.integers(20, 100)
         return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
                           f"number only. If it is wrong, I will tell you, and you guess again.",
-                "answer": str(int(rng.integers(lo, hi + 1)))}
+                "answer": str(rng.integers(lo, hi + 1))}
 
     def respond(self, problem, text):
         """The last number in the text so far (the environment's turns have none) is the model's guess."""
