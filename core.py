@@ -92,4 +92,4 @@ class Batch:
         Each turn but the last is followed by an inserted user turn: tool replies = holes - (turns - 1)."""
         is_eos = torch.isin(self.states, torch.tensor(eos))                           # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        return (is_eos & (self.mask > 0)).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]
+        return (is_eos * self.mask).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]     # float

@@ -71,10 +71,10 @@ class _Text:
     def insertion(self, env, problem, ids, turns):
         """The ids to insert after a stop the model sampled: after its end-of-turn token, the next user turn
         (None: the episode ends); after a call, the tool's reply ([]: no call)."""
+        text = self.decode(ids)
         if ids[-1] not in self.eos:
-            reply = env.reply(self.decode(ids))
-            return self.tok.encode(reply, add_special_tokens=False) if reply else []
-        message = env.respond(problem, self.decode(ids)) if turns < env.max_turns else None
+            return self.tok.encode(env.reply(text) or "", add_special_tokens=False)
+        message = env.respond(problem, text) if turns < env.max_turns else None
         return None if message is None else self.turn_ids(message)
 
     def turn_ids(self, message):
@@ -346,21 +346,17 @@ def stop_ids(tok, generation_eos):
     return sorted({tok.eos_token_id, *listed} - {None})
 
 
-def vllm_samples(outputs, eos_ids, tool_stop=None):
-    """vLLM RequestOutputs (a prompt's n samples each) -> prompt-major [completion ids with the stop token
-    kept, sampler log-probs, sampled (all True), truncated, called]. vLLM keeps the stop token in token_ids
-    (only .text drops it) with its log-prob: once, last. truncated is "no stop token", as in HFPolicy (older
-    vLLM said "length" for a stop token drawn as the last allowed one). called: it stopped on the tool's."""
-    samples = []
-    for request in outputs:
-        for out in request.outputs:
-            ids = list(out.token_ids)
-            stopped, called = bool(ids) and ids[-1] in eos_ids, tool_stop and out.stop_reason == tool_stop
-            assert stopped or called or out.finish_reason == "length", \
-                f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
-            logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]  # {token id: Logprob}
-            samples.append([ids, logp, [True] * len(ids), not stopped, bool(called)])
-    return samples
+def vllm_sample(out, eos_ids, tool_stop=None):
+    """A vLLM CompletionOutput -> [completion ids with the stop token kept, sampler log-probs, sampled (all
+    True), truncated, called]. vLLM keeps the stop token in token_ids (only .text drops it) with its log-prob:
+    once, last. truncated is "no stop token", as in HFPolicy (older vLLM said "length" for a stop token drawn
+    as the last allowed one). called: it stopped on the tool's."""
+    ids = list(out.token_ids)
+    stopped, called = bool(ids) and ids[-1] in eos_ids, tool_stop and out.stop_reason == tool_stop
+    assert stopped or called or out.finish_reason == "length", \
+        f"vLLM finished on {out.finish_reason}/{out.stop_reason}"
+    logp = [pos[t].logprob for pos, t in zip(out.logprobs, ids, strict=True)]      # {token id: Logprob}
+    return ids, logp, [True] * len(ids), not stopped, bool(called)
 
 
 def vllm_max_model_len(config, prompt_len, max_new_tokens):
@@ -451,11 +447,11 @@ class VLLMGenerator(_Text):
         seed, count, waiting = int(torch.randint(2**30, ())), itertools.count(), {}   # request id -> sample
 
         def request(s):                 # from the sample's prompt and ids so far
-            i, stop = next(count), tool_stop if tool_stop and s[7] < env.max_tool_calls else None
+            i, stop = next(count), [tool_stop] if tool_stop and s[7] < env.max_tool_calls else None
             params = SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
                                     max_tokens=self.max_new_tokens - len(s[1]),         # the default is 16
                                     logprobs=0, stop_token_ids=self.eos,   # logprobs=0: the sampled token's
-                                    stop=stop and [stop], include_stop_str_in_output=True,
+                                    stop=stop, include_stop_str_in_output=True,
                                     seed=None if greedy else seed + i,
                                     output_kind=RequestOutputKind.FINAL_ONLY)       # as LLM.generate's
             waiting[f"{seed}-{i}"] = s
@@ -467,7 +463,7 @@ class VLLMGenerator(_Text):
         while waiting:                  # LLM.generate's loop, taking new requests as it goes
             for out in [out for out in self.llm.llm_engine.step() if out.finished]:
                 s = waiting.pop(out.request_id)
-                ids, logp, sampled, truncated, called = vllm_samples([out], self.eos, tool_stop)[0]
+                ids, logp, sampled, truncated, called = vllm_sample(out.outputs[0], self.eos, tool_stop)
                 s[1:5] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
                 if env and (called or not truncated):       # a call, or the end of a turn
                     insert = self.insertion(env, s[5], s[1], s[6])

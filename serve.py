@@ -87,8 +87,8 @@ def batch_from_bytes(data, limits):
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
     assert). prompt_len 0: a control task; max_len: completion tokens (control: steps); obs_dim 0: tokens."""
     t, meta = tensors_from_bytes(data)
-    G, P, prompt, L, A, tools, turns, (lo, hi) = (limits[k] for k in (
-        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "tool_calls", "turns", "reward"))
+    G, P, prompt, L, A, holes, (lo, hi) = (limits[k] for k in (
+        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "insertions", "reward"))
     llm, version = prompt > 0, meta.get("version", "")
     if not (version.isdecimal() and meta.get("lease") and meta.get("run")):
         raise ValueError(f"metadata needs a version, a lease and a run (POST /lease): {str(meta)[:300]}")
@@ -110,11 +110,11 @@ def batch_from_bytes(data, limits):
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
     m = t["mask"]
     start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
-    if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.insertions().max() <= tools + turns - 1
+    if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.insertions().max() <= holes
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
         raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
                          f"tokens) and span <= {L}, with runs of 0s inside only for insertions, at most "
-                         f"{tools + turns - 1} (--max-tool-calls + --max-turns - 1)")
+                         f"{holes} (--max-tool-calls + --max-turns - 1)")
     a = t["actions"]
     if a.min() < 0 or a.max() >= A or (llm and not torch.equal(a, s)):
         raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else

@@ -176,11 +176,6 @@ def gsm8k_reward(prompt, completion, answer):
     return float(got is not None and got == ref)
 
 
-def guess_reward(prompt, completion, answer):
-    """1.0 iff the last number the model wrote is the secret: the game ended solved."""
-    return float(_last_number(completion) == int(answer))
-
-
 def maxdigit_reward(prompt, completion, answer):
     return float(completion[:1] == answer)
 
@@ -263,7 +258,6 @@ class LLMTask:
         self.pass_k, self.max_tool_calls, self.max_turns = pass_k, max_tool_calls, max_turns
         self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
-        self.tool_stop = self.tool_stop if max_tool_calls else None     # None: the sampler looks for no call
         if max_tool_calls:                                  # a wrong signature would turn every reply into an
             try:                                            # error (reward 0, training on): fail here instead
                 inspect.signature(self.tool).bind("12*34")
@@ -433,32 +427,6 @@ class Multiply(Addition):
     op, reads_inserted = "*", True
 
 
-class Guess(LLMTask):
-    """Guess the number in lo..hi (<= 100 numbers; --max-turns 7): the environment says higher or lower after
-    a wrong guess, all a binary search needs (2^7 > 100). GuessBlind, the control, only says wrong."""
-    rewards, informative = [(1.0, guess_reward)], True
-
-    def problem(self, rng):
-        lo = rng.integers(1, 51)
-        hi = lo + rng.integers(20, 100)
-        return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
-                          f"number only. If it is wrong, I will tell you, and you guess again.",
-                "answer": str(rng.integers(lo, hi + 1))}
-
-    def respond(self, problem, text):
-        """The last number in the text so far (the environment's turns have none) is the model's guess."""
-        guess, secret = _last_number(text), int(problem["answer"])
-        if guess == secret:
-            return None
-        if guess is None or not self.informative:
-            return "Wrong. Guess again."
-        return f"Wrong: my number is {'higher' if guess < secret else 'lower'}. Guess again."
-
-
-class GuessBlind(Guess):
-    informative = False
-
-
 # --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
-         "addition": Addition, "multiply": Multiply, "guess": Guess, "guess_blind": GuessBlind}
+         "addition": Addition, "multiply": Multiply}

@@ -629,7 +629,7 @@ def batch_limits(cfg, task, policy, prompts_per_batch):
     """What a batch of this run can be; the trainer refuses anything else (serve.batch_from_bytes: 400)."""
     llm = cfg.is_llm                                    # max_len, LLMs: max_new_tokens
     return {"group_size": cfg.group_size, "n_prompts": prompts_per_batch, "reward": list(task.reward_range),
-            "max_len": task.max_len, "tool_calls": cfg.max_tool_calls, "turns": cfg.max_turns,
+            "max_len": task.max_len, "insertions": cfg.max_tool_calls + cfg.max_turns - 1,
             "obs_dim": 0 if llm else task.obs_dim,
             "prompt_len": task.max_prompt_len(policy.encode) if llm else 0,
             "n_actions": policy.model.get_input_embeddings().num_embeddings if llm else task.n_actions}

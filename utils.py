@@ -210,9 +210,8 @@ class Logger:
 
     def progress(self, row, keys, steps, sec_per_step):
         """step i/N, the metrics in keys, s/step, elapsed, ETA (an upper bound: runs may stop once solved)."""
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)      # nan, inf: as str() prints them
         hms = lambda s: time.strftime("%H:%M:%S" if s >= 3600 else "%M:%S", time.gmtime(s))
-        metrics = "  ".join(f"{k} {fmt(row[k])}" for k in keys if row.get(k, "") != "")
+        metrics = "  ".join(f"{k} {row[k]:.4g}" for k in keys if row.get(k, "") != "")   # ints, floats, nan
         self.info(f"step {row['step']:>{len(str(steps))}}/{steps}  {metrics}  {row['step_s']:.2f} s/step  "
                   f"{hms(time.time() - self.t0)} elapsed, eta {hms(sec_per_step * (steps - row['step']))}")
 

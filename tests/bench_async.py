@@ -182,7 +182,7 @@ def bench_transport():
     tensors = qwen05b_lora()
     mb = sum(t.numel() * 4 for t in tensors.values()) / 1e6
     limits = {"group_size": 1, "n_prompts": 1, "prompt_len": 1, "max_len": 1, "n_actions": 2, "obs_dim": 0,
-              "reward": [0, 1], "tool_calls": 0, "turns": 1}
+              "reward": [0, 1], "insertions": 0}
     server = TrainerServer(TOKEN, {}, 2, host="127.0.0.1", limits=limits).start()
     client = TrainerClient(f"http://127.0.0.1:{server.port}", TOKEN)
     times = []                                          # [publish (serialize), pull (transfer + parse)] per version

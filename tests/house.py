@@ -35,7 +35,11 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # tokens. HFPolicy 139 -> 143 lines: the tool-reply loop inlined into _generate (one caller).
 # A payback (unused parameters and defaults, one-caller helpers folded, scalar state as class defaults):
 # 23096 -> 22936 tokens, 2498 -> 2497 lines; still owed: ~30 tokens.
-RATCHET = {"tokens": 22936, "nonblank": 2497, "width": 110, "func": 60, "class": 143}
+# Issue 24's turns, scoring rule and vLLM engine loop (+~860 as first written), paid for down to the budget by
+# three passes over all seven modules (-380: one-caller helpers folded, prose tightened): 22936 -> 23497 tokens,
+# 2497 -> 2493 lines. Issues 22 + 23 + 24 together hold their allowances (22,404 + 0 + 450 + 650 = 23,504); the
+# Guess game and its rung (branch turns-rung, ~160 tokens) still have to be paid for. HFPolicy 143 -> 145 lines.
+RATCHET = {"tokens": 23497, "nonblank": 2493, "width": 110, "func": 60, "class": 145}
 
 
 def code_tokens(src: str) -> int:

@@ -21,7 +21,7 @@ FP = {"task": "cartpole", "split_seed": 0}
 # what the run can produce (train.batch_limits): control rows of <= 5 steps; LLM rows of a 1..3-token prompt and
 # 1..4 completion tokens over a vocabulary of 50, reward in [0, 1.1]
 LIMITS = {"group_size": 2, "n_prompts": 2, "prompt_len": 0, "max_len": 5, "n_actions": 2, "obs_dim": 4, "reward": [0, 5],
-          "tool_calls": 0, "turns": 1}
+          "insertions": 0}
 LLM_LIMITS = {**LIMITS, "prompt_len": 3, "max_len": 4, "n_actions": 50, "obs_dim": 0, "reward": [0, 1.1]}
 
 
@@ -717,7 +717,7 @@ def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else
     """A tool reply or an environment's user turn is a run of 0s inside a completion (tasks.LLMTask.reply and
     respond): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or 0s in the prompt part counted
     as a completion that starts early, get a 400 naming the rule."""
-    limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "tool_calls": 1}
+    limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "insertions": 1}     # train.batch_limits: 1 + 1 - 1
     server, client = serve(limits=limits)
     good = make_batch(N=4, T=8, llm=True, seed=1)
     # row 0: prompt 2, completion of 6 whose positions 3-4 are a reply: mask 0 0 1 0 0 1 1 1, reward last
@@ -736,14 +736,18 @@ def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else
         with pytest.raises(Rejected) as e:
             client.submit(bad, lease, run)
         assert e.value.status == 400 and "at most 1 (--max-tool-calls + --max-turns - 1)" in str(e.value)
-    limits0 = {**limits, "tool_calls": 0}                                              # tools off: no holes
+    limits0 = {**limits, "insertions": 0}                                              # tools off: no holes
     with pytest.raises(ValueError, match="at most 0"):
         batch_from_bytes(batch_to_bytes(good, "lease", "run"), limits0)
     # turns: 3 turns make 2 holes, within the budget of --max-turns 3 and not of 2; a tool call adds one
+    from tasks import CartPole
+    from train import Config, batch_limits
     for tools, turns, ok in [(0, 3, True), (0, 2, False), (1, 2, True), (1, 1, False)]:
+        cfg = Config(max_tool_calls=tools, max_turns=turns)             # the budget as train.py states it
+        budget = {**limits, "insertions": batch_limits(cfg, CartPole(), None, 2)["insertions"]}
         sent = batch_to_bytes(two, "lease", "run")
         if ok:
-            assert batch_from_bytes(sent, {**limits, "tool_calls": tools, "turns": turns})[0].insertions()[0] == 2
+            assert batch_from_bytes(sent, budget)[0].insertions()[0] == 2
         else:
             with pytest.raises(ValueError, match="at most 1 "):
-                batch_from_bytes(sent, {**limits, "tool_calls": tools, "turns": turns})
+                batch_from_bytes(sent, budget)

