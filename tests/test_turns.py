@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from core import Batch  # noqa: E402
-from tasks import Addition, Multiply  # noqa: E402
+from tasks import Addition, LLMTask, Multiply, _last_number  # noqa: E402
 
 from test_llm import as_batch, policy, tiny  # noqa: E402, F401
 from test_tools import lively  # noqa: E402
@@ -123,3 +123,56 @@ def test_a_task_gives_the_sampler_its_environment_only_when_something_answers():
     turns, tools = Addition(eval_episodes=2, max_turns=3), Addition(eval_episodes=2, max_tool_calls=1)
     assert turns.env is turns and turns.reply("1+1=") is None and turns.respond({}, "12") is None  # no tool, 1 turn
     assert tools.env is tools and tools.tool_stop == "=" and tools.max_turns == 1
+
+
+# ---- the rung's game, kept here until it lands in tasks.py with its measured rung (issue 24; branch turns-rung
+# has it there, with configs/smollm2_guess_turns.yaml): an environment as a task writes one ----
+
+def guess_reward(prompt, completion, answer):
+    """1.0 iff the last number the model wrote is the secret: the game ended solved."""
+    return float(_last_number(completion) == int(answer))
+
+
+class Guess(LLMTask):
+    """Guess the number in lo..hi (<= 100 numbers; --max-turns 7): the environment says higher or lower after
+    a wrong guess, all a binary search needs (2^7 > 100). GuessBlind, the control, only says wrong."""
+    rewards, informative = [(1.0, guess_reward)], True
+
+    def problem(self, rng):
+        lo = rng.integers(1, 51)
+        hi = lo + rng.integers(20, 100)
+        return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
+                          f"number only. If it is wrong, I will tell you, and you guess again.",
+                "answer": str(rng.integers(lo, hi + 1))}
+
+    def respond(self, problem, text):
+        """The last number in the text so far (the environment's turns have none) is the model's guess."""
+        guess, secret = _last_number(text), int(problem["answer"])
+        if guess == secret:
+            return None
+        if guess is None or not self.informative:
+            return "Wrong. Guess again."
+        return f"Wrong: my number is {'higher' if guess < secret else 'lower'}. Guess again."
+
+
+class GuessBlind(Guess):
+    informative = False
+
+
+def test_the_guess_games_environment_says_higher_or_lower_and_its_control_only_wrong():
+    game, blind = Guess(eval_episodes=4, max_turns=7), GuessBlind(eval_episodes=4, max_turns=7)
+    problem = {"prompt": "...", "answer": "37"}
+    assert game.respond(problem, "50") == "Wrong: my number is lower. Guess again."
+    assert game.respond(problem, "50\nuser\nWrong: my number is lower. Guess again.\nassistant\n25") == \
+        "Wrong: my number is higher. Guess again."
+    assert game.respond(problem, "I think 37") is None and blind.respond(problem, "37") is None   # solved: ends
+    assert blind.respond(problem, "50") == blind.respond(problem, "25") == "Wrong. Guess again."
+    assert game.respond(problem, "no idea") == "Wrong. Guess again."
+    assert not any(c.isdigit() for c in game.respond(problem, "50") + blind.respond(problem, "50"))
+    import numpy as np
+    draws = game.sample(200, np.random.default_rng(0))
+    for p in draws:                                        # the secret lies in the range the prompt states
+        lo, hi = (int(w) for w in p["prompt"].split("from ")[1].split(".")[0].split(" to "))
+        assert lo <= int(p["answer"]) <= hi and hi - lo < 100
+    assert len({p["prompt"] for p in draws}) > 150         # prompts differ: a tenth of them held out
+    assert game.env is game and Guess(eval_episodes=4).env is None
