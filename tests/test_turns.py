@@ -125,6 +125,15 @@ def test_a_task_gives_the_sampler_its_environment_only_when_something_answers():
     assert tools.env is tools and tools.tool_stop == "=" and tools.max_turns == 1
 
 
+def test_the_turn_budget_is_a_setting_trainer_and_workers_share():
+    """A worker of another --max-turns is refused (serve.TrainerClient.check compares the fingerprints), and the
+    trainer's gate takes --max-tool-calls + --max-turns - 1 holes a row (tests/test_serve.py sends them)."""
+    from tasks import CartPole
+    from train import Config, batch_limits, fingerprint
+    assert fingerprint(Config(max_turns=3), 2)["max_turns"] == 3 != fingerprint(Config(), 2)["max_turns"]
+    assert batch_limits(Config(max_turns=3, max_tool_calls=2), CartPole(), None, 2)["insertions"] == 4
+
+
 # ---- the rung's game, kept here until it lands in tasks.py with its measured rung (issue 24; branch turns-rung
 # has it there, with configs/smollm2_guess_turns.yaml): an environment as a task writes one ----
 
