@@ -173,6 +173,21 @@ def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(tied_lm, tmp_p
     assert tied(again.model) and torch.equal(again.model.lm_head.weight, m.lm_head.weight)  # resumed exactly
 
 
+def one_insertion(pol, task, why):
+    """The task's held-out problems, greedy, with pol's budget at the task's for the while -> (batch, the first
+    row with exactly one insertion, its completion ids and sampled mask, the insertion's [k, k + n))."""
+    pol.max_new_tokens = task.max_len
+    try:
+        b = task.rollout(pol, task.eval_set, 1, greedy=True)
+    finally:
+        pol.max_new_tokens = 16
+    row = int((b.insertions() == 1).int().argmax())
+    assert b.insertions()[row] == 1, why
+    start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
+    ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
+    return b, row, ids, sampled, int((~sampled).int().argmax()), int((~sampled).sum())
+
+
 @pytest.mark.slow
 def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol):
     """Multiply with the calculator, greedy: SmolLM2 writes 'a * b =', the reply's ids follow, then it stops.
@@ -180,17 +195,8 @@ def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol)
     the decoded completion would give other ids at the seam (BPE merges across it), so a re-tokenized batch
     would score other tokens than the ones sampled."""
     task = Multiply(eval_episodes=8, max_new_tokens=24, max_tool_calls=1)
-    pol.max_new_tokens = 24
-    try:
-        b = task.rollout(pol, task.eval_set, 1, greedy=True)
-    finally:
-        pol.max_new_tokens = 16
-    row = int(b.insertions().argmax())
-    assert b.insertions()[row] == 1, "no held-out prompt made SmolLM2 call the calculator"
+    b, row, ids, sampled, k, n = one_insertion(pol, task, "no held-out prompt made SmolLM2 call the calculator")
     start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
-    ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
-    k = int((~sampled).int().argmax())                                   # the reply's first position
-    n = int((~sampled).sum())
     text = pol.decode(ids[:k])
     reply = pol.tok(task.reply(text), add_special_tokens=False)["input_ids"]
     assert text.endswith("=") and ids[k:k + n] == reply and sampled[k + n:].all()
@@ -211,17 +217,8 @@ def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_
     """2 turns, greedy: SmolLM2's first answer ends at <|im_end|> (trained), then come the template's own ids
     for the environment's user turn and the assistant header (mask 0), then its second answer; a fresh
     forward over each whole episode gives the sampler's log-probs (the KV cache stayed valid)."""
-    task = Retry(eval_episodes=4, max_new_tokens=96, max_turns=2)
-    pol.max_new_tokens = 96                             # its answers run up to ~30 tokens, the user turn ~20
-    try:
-        b = task.rollout(pol, task.eval_set, 1, greedy=True)
-    finally:
-        pol.max_new_tokens = 16
-    row = int(b.insertions().argmax())
-    assert b.insertions()[row] == 1, "no held-out episode had room for its second turn"
-    start, end = int(b.mask[row].argmax()), int(b.mask[row].nonzero().max()) + 1
-    ids, sampled = b.states[row, start:end].tolist(), b.mask[row, start:end].bool()
-    k, n = int((~sampled).int().argmax()), int((~sampled).sum())         # the inserted turn: [k, k + n)
+    task = Retry(eval_episodes=4, max_new_tokens=96, max_turns=2)   # answers: up to ~30 tokens, a turn ~20
+    b, row, ids, sampled, k, n = one_insertion(pol, task, "no held-out episode had room for its second turn")
     message = task.respond(task.eval_set[row], pol.decode(ids[:k]))
     turn = f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"      # SmolLM2's template
     assert ids[k - 1] == IM_END and sampled[k - 1] and sampled[k + n:].all()
