@@ -64,8 +64,8 @@ def arg(default, help, choices=None):   # metadata: the flag's add_argument keyw
 @dataclass
 class Config:
     # what to train
-    task: str = arg("cartpole", "task", list(TASKS))
-    algo: str = arg("reinforce", "advantage estimator", list(ESTIMATORS))
+    task: str = arg("cartpole", "task", TASKS)
+    algo: str = arg("reinforce", "advantage estimator", ESTIMATORS)
     model: str = arg("", "Hugging Face id or local path (LLM tasks; a tiny one: python model.py DIR)")
     hidden: int = arg(64, "MLP width (control tasks)")
     data: str = arg("", "local JSONL for data-backed tasks (gsm8k); empty: the Hugging Face hub")
@@ -163,6 +163,7 @@ def train(cfg):
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     if cfg.role == "rollout":
         return rollout_worker(cfg, task, threads)
+    trainer = cfg.role == "trainer"
     cfg.out = cfg.out or (cfg.resume.removesuffix(".pt") if cfg.resume else free_name(cfg))
     log = Logger(enabled=rank == 0)
     reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
@@ -176,10 +177,10 @@ def train(cfg):
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
     snapshots = Snapshots(cfg.max_staleness)
-    server = start_server(cfg, task, policy, world) if cfg.role == "trainer" and rank == 0 else None
+    server = start_server(cfg, task, policy, world) if trainer and rank == 0 else None
     if server:                                          # listening before a file is written: a taken port
         log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")   # leaves no CSV without a .pt
-    if cfg.role == "trainer":                           # versions go on across --resume: version = step + 1
+    if trainer:                                         # versions go on across --resume: version = step + 1
         publish(policy, cfg, first, snapshots, server)
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
@@ -191,7 +192,7 @@ def train(cfg):
     with StopRequests() as stop:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
-                row = {"step": 0, "env_steps": 0, **evaluate(task, policy, cfg, log, rank, world)}
+                row = {"step": 0, "env_steps": 0, **evaluate(task, policy, log, rank, world)}
                 log.info(f"before training (step 0): {task.metric} {row[task.metric]:.4g}")
                 log.log(row)
             for step in range(first, cfg.steps + 1):
@@ -199,7 +200,7 @@ def train(cfg):
                 torch.manual_seed(int(np.random.SeedSequence([cfg.seed, rank, step]).generate_state(1)[0]))
                 share_cores(cfg)                        # workers may have started or stopped on this machine
                 # 1. rollout: a worker's batch (trainer), or this rank's share of the prompts of (seed, step)
-                if cfg.role == "trainer":
+                if trainer:
                     batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
@@ -210,31 +211,31 @@ def train(cfg):
                 t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms (--teacher: + opd's log-probs)
                 scores, distilled = teacher_scores(teacher, policy, batch, cfg) if teacher else ({}, {})
-                bound = {**vars(cfg), **scores}
+                bound = vars(cfg) | scores
                 adv, target = estimator(batch, policy, **{k: bound[k] for k in keywords})
                 if cfg.distill_coef:
                     adv = adv + cfg.distill_coef * opd(batch, policy, **scores)[0]
                 # 3. update
                 stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
                 # 4. publish (async), log, evaluate, checkpoint
-                if cfg.role == "trainer":
+                if trainer:
                     publish(policy, cfg, step + 1, snapshots, server)
                     stats["staleness"] = all_sum(step - batch.version) / world
-                    stats.update({k: server.counters[k] for k in QUEUE_COLUMNS} if server else {})
+                    stats |= {k: server.counters[k] for k in QUEUE_COLUMNS} if server else {}
                 t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
                 state.update(step=step, env_steps=state["env_steps"] + n_tok)
                 row = {"step": step, **batch_stats(batch, cfg, policy), **stats, **distilled,
                        "gen_s": t1 - t0, "train_s": t2 - t1, "step_s": t2 - t0,
                        "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
-                    row.update(evaluate(task, policy, cfg, log, rank, world))
+                    row |= evaluate(task, policy, log, rank, world)
                 log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
                              (time.time() - t_loop) / (step - first + 1))
                 log.log(row, group_samples(policy, batch, adv))         # the group: made only if written
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
                 if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                    save_checkpoint(cfg, policy, opt, {**state, "finished": finished})
+                    save_checkpoint(cfg, policy, opt, state | {"finished": finished})
                 if done:
                     log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step "
                              f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
@@ -244,7 +245,7 @@ def train(cfg):
                 server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
         except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
             if rank == 0:
-                save_checkpoint(cfg, policy, opt, {**state, "finished": ""})
+                save_checkpoint(cfg, policy, opt, state | {"finished": ""})
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
@@ -432,7 +433,7 @@ class StopRequests:
 
     def agree(self, where):
         """Every rank learns whether any was asked to stop, and all raise StopRun(where) together."""
-        if all_sum(float(self.asked > 0)):
+        if all_sum(self.asked > 0):
             raise StopRun(where)
 
     def __enter__(self):                                # only the main thread may set signal handlers
@@ -445,10 +446,10 @@ class StopRequests:
             signal.signal(sig, handler)
 
 
-def evaluate(task, policy, cfg, log, rank, world):
-    if cfg.is_llm:                                      # minutes on a big model: say what is happening
+def evaluate(task, policy, log, rank, world):
+    if task.is_llm:                                     # minutes on a big model: say what is happening
         log.info(f"evaluating: {len(task.eval_set)} held-out problems, greedy"
-                 + (f", and pass@{cfg.pass_k}" if cfg.pass_k > 1 else "") + " ...")
+                 + (f", and pass@{task.pass_k}" if task.pass_k > 1 else "") + " ...")
     return task.evaluate(policy, rank, world)
 
 
@@ -840,10 +841,9 @@ def load_checkpoint(cfg, policy, opt):
     if diff:
         raise ValueError("--resume needs the settings the checkpoint was trained with; these differ "
                          "(checkpoint, now): " + ", ".join(diff))
-    names = set(trainable(policy))
-    if names != set(ck["policy"]):
+    if unmatched := set(trainable(policy)) ^ set(ck["policy"]):
         raise ValueError(f"--resume {cfg.resume} holds other weights than this model trains (e.g. "
-                         f"{sorted(names ^ set(ck['policy']))[:3]}): same --model and --lora settings?")
+                         f"{sorted(unmatched)[:3]}): same --model and --lora settings?")
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {s}", flush=True)
@@ -856,7 +856,7 @@ def export(args):
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
     ck = read_checkpoint(path, what="--export")
-    cfg = Config(**{**ck["config"], "dtype": "float32"})
+    cfg = Config(**ck["config"] | {"dtype": "float32"})
     if not cfg.is_llm:
         raise ValueError(f"--export {path}: a --task {cfg.task} run trained an MLP: only LLM runs export")
     policy = make_policy(cfg, None)
