@@ -108,7 +108,7 @@ class HFPolicy(_Text, nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device = torch.device(device)      # train.py's: utils.local_device, init_distributed's
-        self.dtype = getattr(torch, dtype)
+        self.dtype, self.lora = getattr(torch, dtype), lora_r > 0
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r else torch.float32)
@@ -131,8 +131,7 @@ class HFPolicy(_Text, nn.Module):
                                  "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
             for layer in layers:
                 layer._can_checkpoint_with_cache = True
-        self.lora = lora_r > 0
-        if self.lora:
+        if lora_r:
             from peft import LoraConfig, get_peft_model
             # fp32 adapters over a bf16 base (PEFT's autocast_adapter_dtype): bf16 rounds AdamW's updates to 0
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha,    # lora_dropout: 0
@@ -187,17 +186,18 @@ class HFPolicy(_Text, nn.Module):
             stop = torch.isin(nxt, eos) & own                                             # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
-            for b, (token, going, ended) in enumerate(zip(nxt.tolist(), (~done).tolist(), stop.tolist())):
-                if not (env and going):
+            for b, (token, was_done, ended) in enumerate(zip(nxt.tolist(), done.tolist(), stop.tolist())):
+                if was_done or not env:
                     continue
-                completions[b].append(token)
+                completion = completions[b]
+                completion.append(token)
                 called = env.tool_stop and env.tool_stop in self.decode(
-                    completions[b][max(since[b], len(completions[b]) - len(env.tool_stop)):])
+                    completion[max(since[b], len(completion) - len(env.tool_stop)):])
                 if ended or called:
-                    new = self.insertion(env, rows[b][1], completions[b], turns[b])
+                    new = self.insertion(env, rows[b][1], completion, turns[b])
                     stop[b], turns[b], inserts[b] = new is None, turns[b] + ended, new or []
-                    since[b] = len(completions[b]) + len(inserts[b])
-            done = done | stop
+                    since[b] = len(completion) + len(inserts[b])
+            done |= stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
         toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
         bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
@@ -280,7 +280,7 @@ def _sample(logp):
     """[B, V] log-probs -> [B], one draw per row, by inverting the fp64 CDF: B uniforms, not multinomial's
     B x V exponentials (64 rows x SmolLM2's 49152 tokens: 61 -> 4 ms per decoding step)."""
     cdf = logp.exp().cumsum(-1, dtype=torch.float64)                                            # [B, V]
-    u = torch.rand(len(cdf), 1, dtype=torch.float64, device=cdf.device) * cdf[:, -1:]           # [B, 1]
+    u = torch.rand_like(cdf[:, -1:]) * cdf[:, -1:]                                              # [B, 1]
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[1] - 1)            # [B]
 
 
@@ -377,6 +377,7 @@ class VLLMGenerator(_Text):
     feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
 
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
+    lora = None                                      # the adapter served (load_adapter): none yet, the base
 
     def __init__(self, name, lora_r, prompt_len, temperature=1.0, max_new_tokens=256, dtype="float32",
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
@@ -399,7 +400,6 @@ class VLLMGenerator(_Text):
             gen_eos = None
         self.eos = stop_ids(self.tok, gen_eos)
         self.temperature, self.max_new_tokens, self.thinking = temperature, max_new_tokens, thinking
-        self.lora = None
         config, cpu = AutoConfig.from_pretrained(name), current_platform.is_cpu()
         max_model_len = vllm_max_model_len(config, prompt_len(self.encode), max_new_tokens)
         if cpu:                 # checked here: vLLM-CPU's own error comes from deep inside its engine process
@@ -447,12 +447,12 @@ class VLLMGenerator(_Text):
         seed, count, waiting = int(torch.randint(2**30, ())), itertools.count(), {}   # request id -> sample
 
         def request(s):                 # from the sample's prompt and ids so far
-            i, stop = next(count), [tool_stop] if tool_stop and s[7] < env.max_tool_calls else None
+            i = next(count)
             params = SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
                                     max_tokens=self.max_new_tokens - len(s[1]),         # the default is 16
                                     logprobs=0, stop_token_ids=self.eos,   # logprobs=0: the sampled token's
-                                    stop=stop, include_stop_str_in_output=True,
-                                    seed=None if greedy else seed + i,
+                                    stop=[tool_stop] if tool_stop and s[7] < env.max_tool_calls else None,
+                                    include_stop_str_in_output=True, seed=None if greedy else seed + i,
                                     output_kind=RequestOutputKind.FINAL_ONLY)       # as LLM.generate's
             waiting[f"{seed}-{i}"] = s
             self.llm.llm_engine.add_request(f"{seed}-{i}", {"prompt_token_ids": s[0] + s[1]}, params,
@@ -472,11 +472,11 @@ class VLLMGenerator(_Text):
                     if insert is not None and len(s[1]) + len(insert) < self.max_new_tokens:
                         s[1:4] = s[1] + insert, s[2] + [0.0] * len(insert), s[3] + [False] * len(insert)
                         request(s)
-        return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp, dtype=torch.float32),
+        return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp),
                  torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated, *_ in samples]
 
 
-def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
+def make_tiny_lm(path, chars="0123456789 =,", seed=0):
     """A character-level tokenizer and a few-layer random Llama, saved as a --model PATH. Llama: AutoTokenizer
     reloads a Qwen2 config's tokenizer as Qwen2Tokenizer, whose pre-tokenizer drops spaces and newlines."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -488,8 +488,8 @@ def make_tiny_lm(path, chars="0123456789 =,", layers=2, hidden=64, seed=0):
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|endoftext|>",
                             unk_token="<|unk|>").save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=4 * hidden, pad_token_id=0,
-                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=256, pad_token_id=0,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, eos_token_id=1,
                       max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)     # generation_config: cfg's EOS and pad
     return path

@@ -63,8 +63,8 @@ def tensors_from_bytes(data):
 
 
 def describe(tensors):
-    """{name: [shape, dtype]}: what trainer and worker compare before they agree to work together."""
-    return {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
+    """{name: [shape, dtype]}: what trainer and worker compare (over JSON) before they work together."""
+    return {k: [v.shape, str(v.dtype).removeprefix("torch.")] for k, v in tensors.items()}
 
 
 def batch_to_bytes(batch, lease, run):
@@ -108,20 +108,20 @@ def batch_from_bytes(data, limits):
         raise ValueError(f"T {T} is not in 1..{prompt + L}: {prompt} prompt + {L} completion tokens" if llm
                          else f"T {T} is not in 1..{L}: this task's steps")
     batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
-    m = t["mask"]
+    m = batch.mask
     start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
     if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.insertions().max() <= holes
             and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
         raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
                          f"tokens) and span <= {L}, with runs of 0s inside only for insertions, at most "
                          f"{holes} (--max-tool-calls + --max-turns - 1)")
-    a = t["actions"]
+    a = batch.actions
     if a.min() < 0 or a.max() >= A or (llm and not torch.equal(a, s)):
         raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
                          f"action ids must be in [0, {A})")
-    R = t["rewards"].sum(1)                                             # [N]
+    R = batch.rewards.sum(1)                                            # [N]
     where = torch.arange(T) == (end - 1)[:, None] if llm else m.bool()    # [N, T] where rewards may sit
-    if t["rewards"][~where].any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
+    if batch.rewards[~where].any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
         raise ValueError(f"rewards must sit on the {'last completion token' if llm else 'masked steps'} and "
                          f"total within this task's [{lo:g}, {hi:g}] per row")
     return batch, meta
@@ -467,7 +467,7 @@ class TrainerServer(WireServer, BatchQueue):
         the queue ran dry every 4th. Room opens on the trainer's thread: poll it (and gone) every POLL_S s."""
         worker, wait = query["worker"], query["wait"]
         if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
-            raise Rejected(400, f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")
+            raise ValueError(f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")
         wait_s = min(int(wait), self.timeout / 2) if wait.isdecimal() else 0
         until = monotonic() + wait_s
         while isinstance(lease := self.grant(worker), str):
@@ -540,7 +540,7 @@ class TrainerClient:
             diff += [f"{what} {k!r}: trainer {theirs.get(k)!r}, worker {ours.get(k)!r}"
                      for k in sorted({*theirs, *ours}) if theirs.get(k) != ours.get(k)]
         if diff:
-            raise ValueError("trainer and worker differ, refusing to run: " + "; ".join(diff))
+            raise ValueError(f"trainer and worker differ, refusing to run: {'; '.join(diff)}")
 
     def weights(self, run, version):
         return tensors_from_bytes(self._call("GET", f"/weights?version={version}&run={run}"))[0]

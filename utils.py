@@ -102,18 +102,18 @@ def init_distributed(timeout=1800.0, backend="", llm=False):
     """-> (rank, world_size); (0, 1) without torchrun. One group: gloo for CPU tensors (statistics, objects),
     and NCCL for CUDA ones if llm (an NCCL-only group cannot reduce a CPU tensor). timeout (s) must outlast
     one rank's longest wait on another (rank 0's --batch-timeout), or NCCL's watchdog kills the waiters."""
-    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+    if os.environ.get("WORLD_SIZE", "1") == "1":
         return 0, 1
     if not dist.is_initialized():
         device = local_device(llm)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        elif int(os.environ.get("RANK", 0)) == 0:
+        elif os.environ.get("RANK", "0") == "0":
             why = f"{torch.cuda.device_count()} GPUs, fewer than the ranks here" if llm else "an MLP policy"
             print(f"torch.distributed: gloo, the policy on the CPU ({why})", flush=True)
         # the NCCL half needs a GPU even to initialize ("ProcessGroupNCCL is only supported with GPUs")
-        backend = backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"),
+                                timeout=datetime.timedelta(seconds=timeout))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -125,7 +125,7 @@ def all_sum(x):
     """Sum of a tensor (or float) over ranks; identity in one process."""
     if not is_distributed():
         return x
-    t = x.clone() if torch.is_tensor(x) else torch.tensor(float(x), dtype=torch.float64)
+    t = x.clone() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64)
     dist.all_reduce(t)
     return t if torch.is_tensor(x) else t.item()
 
@@ -136,7 +136,7 @@ def all_reduce_grads(params):
         grads = [p.grad for p in params if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
-        for g, new in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(new.view_as(g))
 
 
@@ -164,11 +164,11 @@ class Logger:
             with open(path, newline="") as f:
                 kept = [r for r in csv.DictReader(f)
                         if r.get("step", "").isdigit() and int(r["step"]) <= keep_until]
-        with open(path + ".tmp", "w", newline="") as f:    # rewritten whole, then renamed: never half a CSV
+        with open(f"{path}.tmp", "w", newline="") as f:    # rewritten whole, then renamed: never half a CSV
             w = csv.DictWriter(f, columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(kept)
-        os.replace(path + ".tmp", path)
+        os.replace(f"{path}.tmp", path)
         self.file = open(path, "a", newline="")
         self.csv = csv.DictWriter(self.file, columns)
         # appended to (made by the first sample: LLM tasks): after a --resume, steps trained again log again
@@ -227,7 +227,7 @@ def open_tracker(name, out, run_id, config, resume_step):
     if name == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
-        writer = SummaryWriter(out + ".tensorboard", purge_step=resume_step)
+        writer = SummaryWriter(f"{out}.tensorboard", purge_step=resume_step)
         for summary in [] if resume_step else hparams(config, {}):        # its HPARAMS tab, in this folder
             writer.file_writer.add_summary(summary)
 
