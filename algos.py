@@ -1,8 +1,7 @@
 """Advantage estimators: the only thing REINFORCE, PPO, GRPO, RLOO and on-policy distillation disagree on.
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
-pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name.
-"""
+pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name."""
 import torch
 
 from utils import discounted_returns, gae, whiten
@@ -48,7 +47,7 @@ def grpo(batch, policy, std_norm):
     R = _grouped_rewards(batch)                                              # [n_prompts, G]
     A = R - R.mean(1, keepdim=True)
     if std_norm:
-        A = A / (R.std(1, keepdim=True) + 1e-6)
+        A /= R.std(1, keepdim=True) + 1e-6
     return _per_token(A, batch), None
 
 
@@ -60,12 +59,11 @@ def rloo(batch, policy):
 
 def opd(batch, policy, logp_teacher, logp_student):
     """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each token
-    (no reward); per token, a one-sample reverse KL as a negated reward, 0 where mask is 0:
-        A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)]
-    Both [N, T] from train.py's teacher_scores (one HFPolicy.logprobs path); pi_student's are the CURRENT
-    weights' (update()'s logp_prox). Not batch.logp: a worker's, untrusted, and honest ones differ by kernels
-    (vLLM vs HF: SD 0.05 per token, straight into A; a teacher equal to the student would not give 0). Not
-    logp_behav, a stale batch's sampler: the gradient is the current student's KL (update() reweighs)."""
+    (no reward): A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)], a one-sample reverse KL,
+    negated. Both [N, T] from train.py's teacher_scores (one HFPolicy.logprobs path); pi_student's are the
+    CURRENT weights' (update()'s logp_prox). Not batch.logp: a worker's, untrusted, and honest ones differ by
+    kernels (vLLM vs HF: SD 0.05 per token, straight into A; a teacher equal to the student would not give 0).
+    Not logp_behav, a stale batch's sampler: the gradient is the current student's KL (update() reweighs)."""
     return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
 
 

@@ -8,8 +8,7 @@ O = observation size (control), V = vocabulary (LLM), mb = rows in a micro-batch
 Control row: states [T, O] float, actions [T], mask 1 on real steps, reward +1 per step.
 LLM row: states = actions = all token ids (prompt + completion) [T]; logp[t] = log p(id_t | id_<t);
 mask 1 on completion tokens (stop token included); the scalar reward sits on the last one. Tool replies
-and user turns inserted in a completion (--max-tool-calls, --max-turns) are context: mask 0, logp 0.
-"""
+and user turns inserted in a completion (--max-tool-calls, --max-turns) are context: mask 0, logp 0."""
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,8 +87,7 @@ class Batch:
         return starts.sum(1) - 1                                                      # [N]
 
     def turns(self, eos):
-        """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if it was cut mid-turn.
-        Each turn but the last is followed by an inserted user turn: tool replies = holes - (turns - 1)."""
+        """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if cut mid-turn."""
         is_eos = torch.isin(self.states, torch.tensor(eos))                           # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
         return (is_eos * self.mask).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]     # float

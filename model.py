@@ -23,15 +23,14 @@ def mlp(n_in, hidden, n_out):
 
 
 class MLPPolicy(nn.Module):
-    """Categorical policy over n_actions; a separate critic trunk only when the algorithm needs one
-    (sharing a trunk would let the critic's gradients move the policy)."""
+    """Categorical policy; a critic (if the algorithm needs one) has its own trunk: a shared one would let its
+    gradients move the policy. KL reference: a frozen copy of the initial actor (a few KB)."""
     device = torch.device("cpu")
 
     def __init__(self, obs_dim, n_actions, hidden=64, critic=False, reference=False):
         super().__init__()
         self.actor = mlp(obs_dim, hidden, n_actions)
         self.critic = mlp(obs_dim, hidden, 1) if critic else None
-        # KL reference: a frozen copy of the initial actor (a few KB for an MLP)
         self.ref = copy.deepcopy(self.actor).requires_grad_(False) if reference else None
 
     @torch.no_grad()
@@ -108,7 +107,7 @@ class HFPolicy(_Text, nn.Module):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device = torch.device(device)      # train.py's: utils.local_device, init_distributed's
-        self.dtype, self.lora = getattr(torch, dtype), lora_r > 0
+        self.dtype, self.lora, self.thinking = getattr(torch, dtype), lora_r > 0, thinking
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
             model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r else torch.float32)
@@ -143,7 +142,6 @@ class HFPolicy(_Text, nn.Module):
         self.eos = stop_ids(self.tok, model.generation_config.eos_token_id)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
         self.temperature, self.max_new_tokens, self.gen_batch = temperature, max_new_tokens, gen_batch
-        self.thinking = thinking
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
@@ -347,10 +345,9 @@ def stop_ids(tok, generation_eos):
 
 
 def vllm_sample(out, eos_ids, tool_stop=None):
-    """A vLLM CompletionOutput -> [completion ids with the stop token kept, sampler log-probs, sampled (all
-    True), truncated, called]. vLLM keeps the stop token in token_ids (only .text drops it) with its log-prob:
-    once, last. truncated is "no stop token", as in HFPolicy (older vLLM said "length" for a stop token drawn
-    as the last allowed one). called: it stopped on the tool's."""
+    """A vLLM CompletionOutput -> [completion ids, sampler log-probs, sampled, truncated, called]. vLLM keeps
+    the stop token in token_ids (only .text drops it) with its log-prob: once, last. truncated is "no stop
+    token", as in HFPolicy (older vLLM said "length" for a stop token drawn as the last allowed one)."""
     ids = list(out.token_ids)
     stopped, called = bool(ids) and ids[-1] in eos_ids, tool_stop and out.stop_reason == tool_stop
     assert stopped or called or out.finish_reason == "length", \
@@ -370,11 +367,10 @@ def vllm_max_model_len(config, prompt_len, max_new_tokens):
 
 
 class VLLMGenerator(_Text):
-    """Rollout-only LLM policy on vLLM (encode, decode and act as HFPolicy's; no gradients): the frozen base
-    serves the trainer's LoRA adapter, one PEFT directory per version, so only the adapter travels. Sampling
-    is softmax(logits / temperature) only: top_p=1, top_k=0, no generation_config. Log-probs are taken after
-    temperature (processed_logprobs; the default raw ones made a first-token ratio of 2.0 at T=0.6); they
-    feed logp_gap and TIS, never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
+    """Rollout-only LLM policy on vLLM (encode, decode, act and its sampling as HFPolicy's; no gradients): the
+    frozen base serves the trainer's LoRA adapter, so only the adapter travels. Log-probs after temperature
+    (processed_logprobs: the default raw ones made a first-token ratio of 2.0 at T=0.6) feed logp_gap and TIS,
+    never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
 
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
     lora = None                                      # the adapter served (load_adapter): none yet, the base

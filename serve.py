@@ -28,8 +28,7 @@ from core import Batch
 
 MAX_HEAD, MAX_CONNS, PER_WORKER = 16 << 10, 256, 2  # header bytes; unauthenticated connections; leases/worker
 HEAD_S, LINGER_S = 5.0, 2.0                         # s for the headers; s an answered client may still send
-# bytes read after answering one that never showed the token (a wrong token's 403 to GET /info: heard whole)
-STRANGER_LINGER = 1 << 16
+STRANGER_LINGER = 1 << 16  # bytes read after answering one that never showed the token (a 403: heard whole)
 CHUNK = 1 << 20                                     # bytes per write: what the socket refuses is copied
 POLL_S = 0.02                                       # s between a waiting lease's looks for room
 
@@ -381,8 +380,7 @@ class BatchQueue:
 
     def grant(self, worker):     # {lease: id, version}, or why there is none
         with self._cv:
-            now = monotonic()
-            held = sum(w == worker for _, w, *_ in self._live().values())
+            now, held = monotonic(), sum(w == worker for _, w, *_ in self._live().values())
             # lease only as far ahead (versions, <= k) as a batch takes to make, less what the trainer's work
             # after a publish hides: a full queue made batches k stale; async CartPole collapsed 1 run in 2
             lead = (self._gen_s - self._post_s) / max(self._step_s, 1e-3)  # versions; none made yet: inf

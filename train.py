@@ -13,8 +13,7 @@ REINFORCE, PPO, GRPO, RLOO and on-policy distillation differ only in the advanta
 is this file: config -> loop (1 rollout, 2 advantage, 3 update, 4 log/eval/checkpoint) -> helpers.
 Left out on purpose (README): PPO mini-batches (an inner epoch is one full-batch step), value clipping,
 adaptive KL, a learning-rate schedule, sequence packing. The critic target is fixed per batch; every step
-reseeds torch from (seed, rank, step), so a resumed run replays the same randomness without RNG state.
-"""
+reseeds torch from (seed, rank, step), so a resumed run replays the same randomness without RNG state."""
 import time
 
 T0 = time.time()  # "time to solve" is measured from here, before torch is imported
@@ -158,8 +157,7 @@ def train(cfg):
     # ranks > 0 wait while rank 0 waits for batches; CUDA (NCCL) only for an LLM with a GPU per rank
     rank, world = init_distributed(timeout=cfg.batch_timeout + 600, llm=cfg.is_llm)
     validate(cfg, world)
-    threads = share_cores(cfg)
-    task = make_task(cfg)
+    threads, task = share_cores(cfg), make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     if cfg.role == "rollout":
         return rollout_worker(cfg, task, threads)
@@ -485,10 +483,9 @@ def make_policy(cfg, task):
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
                       ref_copy=cfg.ref_copy, **sampling, device=local_device(True))   # a GPU per rank, or CPU
-    n, n_train = (sum(p.numel() for p in ps) / 1e6
-                  for ps in (policy.parameters(), trainable(policy).values()))
-    say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n:.1f}M parameters, "
-        f"{n_train:.1f}M trained")
+    n, n_train = (sum(p.numel() for p in ps) for ps in (policy.parameters(), trainable(policy).values()))
+    say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M parameters, "
+        f"{n_train / 1e6:.1f}M trained")
     return policy
 
 
@@ -540,8 +537,7 @@ def teacher_scores(teacher, policy, batch, cfg):
 
 
 def make_optimizer(cfg, policy):
-    """LLMs: torch's fused Adam, one pass over the weights (utils.Adam's per-tensor steps took 1.3 s vs
-    0.24 s on a 0.5B model). Control: utils.Adam, as torch.optim imports torch._dynamo (1.3 s)."""
+    """LLMs: torch's fused Adam, one pass (utils.Adam's per-tensor steps: 1.3 s vs 0.24 s on a 0.5B model)."""
     groups = list(policy.param_groups().values())
     if cfg.is_llm:
         return torch.optim.Adam([{"params": g} for g in groups], lr=cfg.lr, fused=True)
@@ -716,7 +712,7 @@ def batch_stats(batch, cfg, policy):
     """The rollout, over all ranks: mean reward, lengths, truncation, dead groups, tool calls, turns."""
     n = all_sum(len(batch))
     turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
-    replies = batch.insertions() - (turns - 1)                 # [N] the insertions that are no user turn
+    replies = batch.insertions() - (turns - 1)  # [N] less the user turn inserted after each turn but the last
     dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
     per_row = {"reward": batch.grouped_rewards(), "completion_len": batch.mask.sum(1),   # [n_prompts, G], [N]
                "truncated_frac": batch.truncated, **({"turns": turns} if cfg.max_turns > 1 else {}),

@@ -1,8 +1,7 @@
 """Masked math on raw tensors, returns and GAE, Adam, torch.distributed plumbing and the logger.
 
 Invariant: every reduction over padded [N, T] tensors goes through masked_sum / whiten,
-and every statistic that must match one process (whiten's mean and std) is summed over all ranks.
-"""
+and every statistic that must match one process (whiten's mean and std) is summed over all ranks."""
 import csv
 import datetime
 import importlib
@@ -55,8 +54,7 @@ class Adam:
     1.3 s on these 2 cores, a third of a CartPole run (measured). LLMs use torch's fused Adam (train.py)."""
 
     def __init__(self, groups, lr):
-        self.params = [p for g in groups for p in g]                        # one lr for every group
-        self.lr, self.t = lr, 0
+        self.params, self.lr, self.t = [p for g in groups for p in g], lr, 0  # one lr for every group
         self.m = [torch.zeros_like(p) for p in self.params]                 # fp32, like the params
         self.v = [torch.zeros_like(p) for p in self.params]
 
@@ -88,8 +86,7 @@ class Adam:
 # ---- torch.distributed: torchrun sets RANK / WORLD_SIZE; gloo on CPU, nccl on GPU ----
 
 def device_for(is_llm, cuda_count, local_world):
-    """Where a rank's policy lives: "cuda" for an LLM when this machine has a GPU per local rank, else "cpu"
-    (MLP policies always; 2 ranks on 1 GPU failed in set_device: "invalid device ordinal")."""
+    """Where a rank's policy lives (2 ranks on 1 GPU failed in set_device: "invalid device ordinal")."""
     return "cuda" if is_llm and local_world <= cuda_count else "cpu"
 
 
@@ -199,8 +196,7 @@ class Logger:
         for log, _ in self.trackers:
             log({k: v for k, v in row.items() if k != "step"}, row["step"])
         for right in (True, False):
-            shown = next((r for r in held_out if r["correct"] == right), None)
-            if shown:                   # repr: a line, its newlines as \n
+            if shown := next((r for r in held_out if r["correct"] == right), None):  # !r: a line, \n escaped
                 self.info(f"  {'right' if right else 'wrong'}: {shown['prompt']!r} -> {shown['completion']!r}"
                           [:150])
 
