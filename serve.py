@@ -380,7 +380,8 @@ class BatchQueue:
 
     def grant(self, worker):     # {lease: id, version}, or why there is none
         with self._cv:
-            now, held = monotonic(), sum(w == worker for _, w, *_ in self._live().values())
+            now = monotonic()
+            held = sum(w == worker for _, w, *_ in self._live().values())
             # lease only as far ahead (versions, <= k) as a batch takes to make, less what the trainer's work
             # after a publish hides: a full queue made batches k stale; async CartPole collapsed 1 run in 2
             lead = (self._gen_s - self._post_s) / max(self._step_s, 1e-3)  # versions; none made yet: inf

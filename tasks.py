@@ -427,6 +427,31 @@ class Multiply(Addition):
     op, reads_inserted = "*", True
 
 
+class Guess(LLMTask):
+    """A game of turns (--max-turns 3): guess a number in lo..lo+9; after a wrong guess the environment tells
+    its last digit, which with the range names it. GuessBlind, the control, says only wrong: what Guess gains
+    over it, the model learned from the environment's answers. (Higher/lower was tried first: SmolLM2 learned
+    to count up from lo, where "higher" tells nothing, in 10 steps; the control would learn the same.)"""
+    rewards, informative = [(1.0, gsm8k_reward)], True      # the last number the model wrote is the secret
+
+    def problem(self, rng):
+        lo = rng.integers(1, 491)                           # 490 ranges: 46 of them held out
+        return {"prompt": f"Guess my number. It is from {lo} to {lo + 9}. Write only your guess, a single "
+                          f"number.", "answer": str(rng.integers(lo, lo + 10))}
+
+    def respond(self, problem, text):
+        """The model's guess: the last number after the environment's last turn (which may hold a digit)."""
+        guess, secret = _last_number(text.rpartition("Guess again.")[2]), int(problem["answer"])
+        if guess == secret:
+            return None
+        hint = f": my number ends in {secret % 10}" if self.informative else ""
+        return f"Wrong{hint}. Guess again."
+
+
+class GuessBlind(Guess):
+    informative = False
+
+
 # --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
-         "addition": Addition, "multiply": Multiply}
+         "addition": Addition, "multiply": Multiply, "guess": Guess, "guess_blind": GuessBlind}

@@ -157,7 +157,8 @@ def train(cfg):
     # ranks > 0 wait while rank 0 waits for batches; CUDA (NCCL) only for an LLM with a GPU per rank
     rank, world = init_distributed(timeout=cfg.batch_timeout + 600, llm=cfg.is_llm)
     validate(cfg, world)
-    threads, task = share_cores(cfg), make_task(cfg)
+    threads = share_cores(cfg)
+    task = make_task(cfg)
     torch.manual_seed(cfg.seed)                         # same initial weights on every rank
     if cfg.role == "rollout":
         return rollout_worker(cfg, task, threads)

@@ -54,7 +54,8 @@ class Adam:
     1.3 s on these 2 cores, a third of a CartPole run (measured). LLMs use torch's fused Adam (train.py)."""
 
     def __init__(self, groups, lr):
-        self.params, self.lr, self.t = [p for g in groups for p in g], lr, 0  # one lr for every group
+        self.params = [p for g in groups for p in g]                        # one lr for every group
+        self.lr, self.t = lr, 0
         self.m = [torch.zeros_like(p) for p in self.params]                 # fp32, like the params
         self.v = [torch.zeros_like(p) for p in self.params]
 

@@ -39,7 +39,10 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # three passes over all seven modules (-380: one-caller helpers folded, prose tightened): 22936 -> 23497 tokens,
 # 2497 -> 2493 lines. Issues 22 + 23 + 24 together hold their allowances (22,404 + 0 + 450 + 650 = 23,504); the
 # Guess game and its rung (branch turns-rung, ~160 tokens) still have to be paid for. HFPolicy 143 -> 145 lines.
-RATCHET = {"tokens": 23497, "nonblank": 2493, "width": 110, "func": 60, "class": 145}
+# The Guess game (+~125 tokens, +19 lines) paid for by three more passes (-126 tokens: one flag read once,
+# dict merges, redundant conversions, parameters never passed; -14 lines of prose said twice): 23497 -> 23497
+# tokens, 2493 -> 2497 lines, within the 2,500. HFPolicy 145 -> 144 lines.
+RATCHET = {"tokens": 23497, "nonblank": 2497, "width": 110, "func": 60, "class": 144}
 
 
 def code_tokens(src: str) -> int:

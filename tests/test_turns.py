@@ -1,14 +1,18 @@
 """Environment turns (--max-turns): the model ends its turn, the task's environment answers as the next user
 turn (inserted ids, mask 0), the model goes on. HFPolicy's batched loop on the tiny LM the project builds,
 with a scripted environment; the text the verifiers read; the turns column."""
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from core import Batch  # noqa: E402
-from tasks import Addition, LLMTask, Multiply, _last_number  # noqa: E402
+from tasks import TASKS, Addition, Guess, GuessBlind, Multiply  # noqa: E402
 
+from test_async import rows, start, wait, workers  # noqa: E402
+from test_dist import free_port  # noqa: E402
 from test_llm import as_batch, policy, tiny  # noqa: E402, F401
+from test_smollm2 import smollm2  # noqa: E402, F401
 from test_tools import lively  # noqa: E402
 
 
@@ -134,54 +138,45 @@ def test_the_turn_budget_is_a_setting_trainer_and_workers_share():
     assert batch_limits(Config(max_turns=3, max_tool_calls=2), CartPole(), None, 2)["insertions"] == 4
 
 
-# ---- the rung's game, kept here until it lands in tasks.py with its measured rung (issue 24; branch turns-rung
-# has it there, with configs/smollm2_guess_turns.yaml): an environment as a task writes one ----
-
-def guess_reward(prompt, completion, answer):
-    """1.0 iff the last number the model wrote is the secret: the game ended solved."""
-    return float(_last_number(completion) == int(answer))
-
-
-class Guess(LLMTask):
-    """Guess the number in lo..hi (<= 100 numbers; --max-turns 7): the environment says higher or lower after
-    a wrong guess, all a binary search needs (2^7 > 100). GuessBlind, the control, only says wrong."""
-    rewards, informative = [(1.0, guess_reward)], True
-
-    def problem(self, rng):
-        lo = rng.integers(1, 51)
-        hi = lo + rng.integers(20, 100)
-        return {"prompt": f"I am thinking of a whole number from {lo} to {hi}. Guess it: answer with one "
-                          f"number only. If it is wrong, I will tell you, and you guess again.",
-                "answer": str(rng.integers(lo, hi + 1))}
-
-    def respond(self, problem, text):
-        """The last number in the text so far (the environment's turns have none) is the model's guess."""
-        guess, secret = _last_number(text), int(problem["answer"])
-        if guess == secret:
-            return None
-        if guess is None or not self.informative:
-            return "Wrong. Guess again."
-        return f"Wrong: my number is {'higher' if guess < secret else 'lower'}. Guess again."
-
-
-class GuessBlind(Guess):
-    informative = False
-
-
-def test_the_guess_games_environment_says_higher_or_lower_and_its_control_only_wrong():
-    game, blind = Guess(eval_episodes=4, max_turns=7), GuessBlind(eval_episodes=4, max_turns=7)
-    problem = {"prompt": "...", "answer": "37"}
-    assert game.respond(problem, "50") == "Wrong: my number is lower. Guess again."
-    assert game.respond(problem, "50\nuser\nWrong: my number is lower. Guess again.\nassistant\n25") == \
-        "Wrong: my number is higher. Guess again."
-    assert game.respond(problem, "I think 37") is None and blind.respond(problem, "37") is None   # solved: ends
-    assert blind.respond(problem, "50") == blind.respond(problem, "25") == "Wrong. Guess again."
-    assert game.respond(problem, "no idea") == "Wrong. Guess again."
-    assert not any(c.isdigit() for c in game.respond(problem, "50") + blind.respond(problem, "50"))
-    import numpy as np
-    draws = game.sample(200, np.random.default_rng(0))
-    for p in draws:                                        # the secret lies in the range the prompt states
+def test_the_guess_games_environment_tells_the_last_digit_and_its_control_only_wrong():
+    game, blind = Guess(eval_episodes=4, max_turns=3), GuessBlind(eval_episodes=4, max_turns=3)
+    problem = {"prompt": "...", "answer": "437"}
+    assert game.respond(problem, "440") == "Wrong: my number ends in 7. Guess again."
+    assert blind.respond(problem, "440") == blind.respond(problem, "435") == "Wrong. Guess again."
+    assert game.respond(problem, "I think 437") is None and blind.respond(problem, "437") is None   # solved: ends
+    # the guess is read after the environment's last turn, whose digit is not the model's guess
+    hinted = "440\nuser\nWrong: my number ends in 7. Guess again.\nassistant\n"
+    assert game.respond(problem, hinted + "I do not know") == game.respond(problem, hinted + "447") == \
+        "Wrong: my number ends in 7. Guess again." and game.respond(problem, hinted + "It is 437") is None
+    assert game.respond(problem, "no idea") == "Wrong: my number ends in 7. Guess again."
+    assert game.score(problem, "440\n437", 9) == 1.0 and game.score(problem, "437\n440", 9) == 0.0  # the last
+    draws = game.sample(300, np.random.default_rng(0))
+    for p in draws:                                        # the secret lies in the 10 numbers the prompt states
         lo, hi = (int(w) for w in p["prompt"].split("from ")[1].split(".")[0].split(" to "))
-        assert lo <= int(p["answer"]) <= hi and hi - lo < 100
-    assert len({p["prompt"] for p in draws}) > 150         # prompts differ: a tenth of them held out
-    assert game.env is game and Guess(eval_episodes=4).env is None
+        assert lo <= int(p["answer"]) <= hi == lo + 9
+    assert len({p["prompt"] for p in draws}) > 200 and len(game.eval_set) == 4   # a tenth of 490 held out
+    assert game.env is game and Guess(eval_episodes=4).env is None and TASKS["guess_blind"] is GuessBlind
+
+
+@pytest.mark.slow
+def test_an_async_trainer_and_worker_play_the_game_in_turns_over_loopback(smollm2, tmp_path):  # noqa: F811
+    """SmolLM2 plays Guess in up to 3 turns on a rollout worker (a real process, HF sampler, fp32), which
+    posts its batches to a trainer on loopback: the turn holes pass the gate (nothing refused, nothing
+    dropped), and the trainer's recomputed log-probs match the worker's at every trained position."""
+    port = free_port()
+    common = ["--task", "guess", "--model", smollm2, "--algo", "grpo", "--group-size", 4, "--n-prompts", 2,
+              "--max-new-tokens", 48, "--max-turns", 3, "--lora", "--lora-r", 8, "--max-staleness", 1]
+    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "g", "--steps", 2,
+                    "--eval-every", 0, "--solve-at", 0, "--batch-timeout", 300, *common, log=tmp_path / "trainer.log")
+    worker, = workers(port, 1, *common, tmp=tmp_path, patience=120)   # SmolLM2 loads
+    try:
+        assert wait(trainer, 600) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        assert wait(worker, 120) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
+    finally:
+        for p in (trainer, worker):
+            p.kill()
+    steps = [r for r in rows(tmp_path / "g.csv") if r["step"] != "0"]
+    print("\nturns " + ", ".join(r["turns"] for r in steps) + "; logp_gap " + ", ".join(r["logp_gap"] for r in steps))
+    assert len(steps) == 2 and int(steps[-1]["refused"]) == 0 and int(steps[-1]["dropped_stale"]) == 0
+    gaps = [float(r["logp_gap"]) for r in steps]                  # fp32 KV-cached decoding vs one forward
+    assert any(float(r["turns"]) > 1 for r in steps) and max(gaps) < 1e-4 and any(g > 0 for g in gaps)
