@@ -36,7 +36,9 @@ def start(*args, log=None):
                             stdout=open(log, "w") if log else subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
-def workers(port, n, *args, tmp=None, patience=10):
+def workers(port, n, *args, tmp=None, patience=120):
+    """Rollout workers, started beside their trainer: on a busy machine a trainer (torchrun's two ranks above all)
+    can take well over 10 s to serve, so they wait up to 120 s for it; at the run's end they hear so and exit."""
     return [start("--role", "rollout", "--trainer-url", f"http://127.0.0.1:{port}", "--trainer-patience", patience, *args,
                   log=tmp / f"worker{i}.log" if tmp else None) for i in range(n)]
 
