@@ -190,8 +190,12 @@ class WireServer:
     def start(self):
         """Listen (port 0: any free port, then self.port says which) and serve from a thread of its own."""
         self._loop = asyncio.new_event_loop()
-        self._server = self._loop.run_until_complete(      # here, so that an error (a taken port) raises here
-            asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128))
+        try:                                        # here, so that an error (a taken port) raises here
+            self._server = self._loop.run_until_complete(
+                asyncio.start_server(self._accept, self.host, self.port, limit=MAX_HEAD, backlog=128))
+        except OSError as e:                        # asyncio's 20-line traceback, as one line
+            raise ValueError(f"--serve-port {self.port}: cannot listen ({e.strerror}): if the port is taken, "
+                             f"pick another, or 0 for any free port") from None
         self.port = self._server.sockets[0].getsockname()[1]
         # joined by stop(): one still parsing a batch at exit aborted the trainer (SIGABRT, under torchrun)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trainer-server")

@@ -176,11 +176,11 @@ def train(cfg):
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
     snapshots = Snapshots(cfg.max_staleness)
-    server = start_server(cfg, task, policy, world) if trainer and rank == 0 else None
-    if server:                                          # listening before a file is written: a taken port
-        log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")   # leaves no CSV without a .pt
+    server = make_server(cfg, task, policy, world) if trainer and rank == 0 else None
     if trainer:                                         # versions go on across --resume: version = step + 1
-        publish(policy, cfg, first, snapshots, server)
+        publish(policy, cfg, first, snapshots, server)  # before it listens: an /info then names the weights
+    if server:                                          # listening before a file is written: a taken port
+        log.info(f"trainer: serving on {cfg.serve_host}:{server.start().port}")  # leaves no CSV without a .pt
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
@@ -545,17 +545,13 @@ def make_optimizer(cfg, policy):
     return Adam(groups, lr=cfg.lr)
 
 
-def start_server(cfg, task, policy, world):
-    """--role trainer, rank 0: the server that publishes weights and takes the workers' batches."""
+def make_server(cfg, task, policy, world):
+    """--role trainer, rank 0: the server that publishes weights and takes the workers' batches (not listening
+    yet: an /info before the first publish named no weights, and a worker checking them refused to run)."""
     per_rank = cfg.n_prompts // world                   # prompts in a worker's batch: one rank's share
-    try:
-        return TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness,
-                             world, cfg.serve_host, cfg.serve_port,
-                             lease_timeout=cfg.lease_timeout, lease_life=cfg.batch_timeout,
-                             limits=batch_limits(cfg, task, policy, per_rank)).start()
-    except OSError as e:                                # asyncio's 20-line traceback, as one line
-        raise ValueError(f"--serve-port {cfg.serve_port}: cannot listen ({e.strerror}): if the port is "
-                         f"taken, pick another, or 0 for any free port") from None
+    return TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness, world,
+                         cfg.serve_host, cfg.serve_port, lease_timeout=cfg.lease_timeout,
+                         lease_life=cfg.batch_timeout, limits=batch_limits(cfg, task, policy, per_rank))
 
 
 def rollout_worker(cfg, task, threads):

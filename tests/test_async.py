@@ -20,7 +20,8 @@ import torch
 
 from core import Batch
 from model import MLPPolicy
-from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_to_bytes
+import train as train_module
+from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, batch_to_bytes, describe
 from test_dist import free_port
 from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
@@ -401,6 +402,33 @@ def test_a_worker_errs_in_one_line_alone_with_a_wrong_token_or_other_settings(mo
     assert str(wrong.value) == (f"the trainer at http://127.0.0.1:{port} refused this worker: wrong token: "
                                 f"NANORL_TOKEN differs between trainer and worker")
     assert all("\n" not in str(e.value) for e in (alone, other, wrong))
+
+
+def test_every_info_names_the_weights_even_one_asked_while_the_first_version_is_published(tmp_path, monkeypatch):
+    """A worker checks the weights /info names (a vLLM worker: the first /info's against a later one's). A trainer
+    that listened before its first publish answered with none, and a vLLM worker started beside it refused to run
+    (CI). Here /info is asked while version 1 is being published (a worker's ask in that window), and once it
+    answers: each answer is at version >= 1 and names the policy's weights."""
+    monkeypatch.setenv("NANORL_TOKEN", TOKEN)
+    port, answers, publish = free_port(), [], train_module.publish
+    ask = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0).info
+
+    def publish_asked(*args):
+        with contextlib.suppress(TrainerGone):      # not listening yet: nothing answers
+            answers.append(ask())
+        publish(*args)
+    monkeypatch.setattr(train_module, "publish", publish_asked)
+    trainer = InThread(train, Config(role="trainer", serve_port=port, out=str(tmp_path / "i"), steps=1, solve_at=0,
+                                     eval_every=0, batch_timeout=2, ckpt_every=0))
+    for _ in range(600):
+        with contextlib.suppress(TrainerGone):
+            answers.append(ask())
+            break
+        time.sleep(0.1)
+    trainer.join(60)
+    assert isinstance(trainer.error, TimeoutError), trainer.error      # no worker came: --batch-timeout
+    names = {n: [list(shape), dtype] for n, (shape, dtype) in describe(trainable(MLPPolicy(4, 2, 64))).items()}
+    assert answers and all(a["version"] == 1 and a["names"] == names for a in answers), answers
 
 
 def test_a_trainer_without_batches_saves_and_says_how_to_resume_in_one_process(tmp_path, monkeypatch, capsys):
