@@ -178,9 +178,10 @@ def train(cfg):
     snapshots = Snapshots(cfg.max_staleness)
     server = make_server(cfg, task, policy, world) if trainer and rank == 0 else None
     if trainer:                                         # versions go on across --resume: version = step + 1
-        publish(policy, cfg, first, snapshots, server)  # before it listens: an /info then names the weights
+        publish(policy, cfg, first, snapshots, server)  # before it listens: every /info names the weights
     if server:                                          # listening before a file is written: a taken port
-        log.info(f"trainer: serving on {cfg.serve_host}:{server.start().port}")  # leaves no CSV without a .pt
+        server.start()                                  # leaves no CSV without a .pt
+        log.info(f"trainer: serving on {cfg.serve_host}:{server.port}")
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
@@ -546,8 +547,7 @@ def make_optimizer(cfg, policy):
 
 
 def make_server(cfg, task, policy, world):
-    """--role trainer, rank 0: the server that publishes weights and takes the workers' batches (not listening
-    yet: an /info before the first publish named no weights, and a worker checking them refused to run)."""
+    """--role trainer, rank 0: the server for weights and workers' batches (train() starts it listening)."""
     per_rank = cfg.n_prompts // world                   # prompts in a worker's batch: one rank's share
     return TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness, world,
                          cfg.serve_host, cfg.serve_port, lease_timeout=cfg.lease_timeout,

@@ -43,8 +43,8 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # dict merges, redundant conversions, parameters never passed; -14 lines of prose said twice): 23497 -> 23497
 # tokens, 2493 -> 2497 lines, within the 2,500. HFPolicy 145 -> 144 lines.
 # The trainer listens only once version 1 is published (an /info before named no weights; a vLLM worker refused):
-# the port error moved into WireServer.start, 23497 -> 23493 tokens, 2497 lines.
-RATCHET = {"tokens": 23493, "nonblank": 2497, "width": 110, "func": 60, "class": 144}
+# the port error moved into WireServer.start, 23497 -> 23498 tokens (issue 24: +543 of its 650), 2497 lines.
+RATCHET = {"tokens": 23498, "nonblank": 2497, "width": 110, "func": 60, "class": 144}
 
 
 def code_tokens(src: str) -> int:
