@@ -561,7 +561,11 @@ def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
            "--eval-every", 0, "--batch-timeout", 5]
     trainer = subprocess.Popen([*map(str, run), "--steps", "6", "--out", str(tmp_path / "dp")], cwd=ROOT, env=ENV,
                                stdout=open(tmp_path / "t.log", "w"), stderr=subprocess.STDOUT)
-    ws = workers(port, 2, tmp=tmp_path)
+    # workers once it listens (two ranks took over 10 s on a busy machine): a worker started beside it, between
+    # tries 8 s apart, missed the whole run (CI) and waited out its patience; one that comes after the run's end
+    # still does, so 20 s, not 120
+    wait_for_port(port, 120)
+    ws = workers(port, 2, tmp=tmp_path, patience=20)
     try:
         assert wait(trainer, 180) == 0, (tmp_path / "t.log").read_text()[-3000:]
         assert wait(ws[0], 60) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
