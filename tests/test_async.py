@@ -408,7 +408,7 @@ def test_every_info_names_the_weights_even_one_asked_while_the_first_version_is_
     """A worker checks the weights /info names (a vLLM worker: the first /info's against a later one's). A trainer
     that listened before its first publish answered with none, and a vLLM worker started beside it refused to run
     (CI). Here /info is asked while version 1 is being published (a worker's ask in that window), and once it
-    answers: each answer is at version >= 1 and names the policy's weights."""
+    answers: each answer is at version 1 and names the policy's weights."""
     monkeypatch.setenv("NANORL_TOKEN", TOKEN)
     port, answers, publish = free_port(), [], train_module.publish
     ask = TrainerClient(f"http://127.0.0.1:{port}", TOKEN, patience=0).info
