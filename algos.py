@@ -1,7 +1,10 @@
 """Advantage estimators: the only thing REINFORCE, PPO, GRPO, RLOO and on-policy distillation disagree on.
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
-pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name."""
+pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name.
+A teacher's per-token grade, distill(), is added in update(): it reads the log-probs of the update's own forward."""
+import math
+
 import torch
 
 from utils import discounted_returns, gae, whiten
@@ -57,14 +60,19 @@ def rloo(batch, policy):
     return _per_token(R - (R.sum(1, keepdim=True) - R) / (G - 1), batch), None
 
 
-def opd(batch, policy, logp_teacher, logp_student):
-    """On-policy distillation (Agarwal et al. 2024): the student samples, a frozen teacher grades each token
-    (no reward): A_t = sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)], a one-sample reverse KL,
-    negated. Both [N, T] from train.py's teacher_scores (one HFPolicy.logprobs path); pi_student's are the
-    CURRENT weights' (update()'s logp_prox). Not batch.logp: a worker's, untrusted, and honest ones differ by
-    kernels (vLLM vs HF: SD 0.05 per token, straight into A; a teacher equal to the student would not give 0).
-    Not logp_behav, a stale batch's sampler: the gradient is the current student's KL (update() reweighs)."""
-    return (logp_teacher - logp_student) * batch.mask, None                 # [N, T]
+def opd(batch, policy):
+    """On-policy distillation (Agarwal et al. 2024) alone: no reward term. The advantage is the teacher's grade
+    of each token, distill() with weight 1, unclipped, which update() adds from the student's log-probs."""
+    return torch.zeros_like(batch.mask), None                                # [N, T]
+
+
+def distill(logp_teacher, logp_student, mask, coef=1.0, clip=math.inf):
+    """A frozen teacher grades each token the student sampled: A_t = coef * clip(sg[log pi_teacher(y_t | y_<t)
+    - log pi_student(y_t | y_<t)], -clip, clip), a one-sample reverse KL, negated. Added to a reward estimator's
+    advantage (--distill-coef C), which is about unit size and constant over a row, each token's log-ratio is
+    clipped to [-1, 1] nats first: unclipped, one token the teacher finds unlikely (-15) would outweigh the
+    row's reward at C = 1; clipped, C is the most the teacher moves a token's advantage. [mb, T] each."""
+    return coef * (logp_teacher - logp_student).clamp(-clip, clip) * mask
 
 
 # the three registries train.py reads: a new algorithm is its function here, named as its --algo, and that

@@ -88,6 +88,7 @@ class Batch:
 
     def turns(self, eos):
         """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if cut mid-turn."""
-        is_eos = torch.isin(self.states, torch.tensor(eos))                           # [N, T]
+        is_eos = torch.isin(self.states, torch.tensor(eos, device=self.states.device))  # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        return (is_eos * self.mask).sum(1) + ~is_eos.gather(1, last[:, None])[:, 0]     # float
+        cut = ~is_eos.gather(1, last[:, None])[:, 0]                                  # [N] ended mid-turn
+        return (is_eos * self.mask).sum(1) + cut.float()                              # [N] float

@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -68,17 +69,19 @@ class _Text:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def insertion(self, env, problem, ids, turns):
-        """The ids to insert after a stop the model sampled: after its end-of-turn token, the next user turn
-        (None: the episode ends); after a call, the tool's reply ([]: no call)."""
+        """The ids to insert after a stop the model sampled (ids: its completion so far), or EPISODE_OVER.
+        After a call, the tool's reply ([] if it was no call); after an end-of-turn id, the next user turn."""
         text = self.decode(ids)
         if ids[-1] not in self.eos:
             return self.tok.encode(env.reply(text) or "", add_special_tokens=False)
         message = env.respond(problem, text) if turns < env.max_turns else None
-        return None if message is None else self.turn_ids(message)
+        return EPISODE_OVER if message is None else self.turn_ids(message, ids[-1])
 
-    def turn_ids(self, message):
-        """The ids after the model's end-of-turn token: the chat template's next user turn and assistant
-        header, cut from a chat after a marked assistant turn (no template: the message's own ids)."""
+    def turn_ids(self, message, turn_end):
+        """The ids after the model's end-of-turn id turn_end: the chat template's next user turn and assistant
+        header, cut from a chat after a marked assistant turn, whose own end id comes first unless the model
+        ended with that one (Qwen lists two EOS ids; the template writes <|im_end|>). No template: the
+        message's own ids."""
         if not self.tok.chat_template:
             return self.tok.encode(message, add_special_tokens=False)
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
@@ -89,28 +92,31 @@ class _Text:
         if not ids or ids[0] not in self.eos:
             raise ValueError(f"{self.tok.name_or_path}'s chat template ends no assistant turn with a stop id "
                              f"{self.eos}: --max-turns needs a chat model whose template does")
-        return ids[1:]
+        return ids[1:] if ids[0] == turn_end else ids
 
 
 TURN_MARK = "<nanorl-turn>"     # an assistant turn's content, to find where the template's rendering goes on
+EPISODE_OVER = None             # insertion()'s answer when a turn ended the episode ([]: nothing to insert)
 
 
 class HFPolicy(_Text, nn.Module):
     """Any Hugging Face causal LM (hub id or local path), optionally with LoRA adapters (PEFT). Sampling is
     softmax(logits / temperature) only, never generation_config's (Qwen's top_k=20 and repetition penalty,
     applied silently by generate(), would make the loss model the wrong distribution). Trainable weights
-    are fp32; `dtype` is autocast's and the frozen LoRA base's (bf16 is safe: never updated)."""
+    are fp32; `dtype` is autocast's and, loaded in it, a frozen model's (a teacher, --ref-copy's reference)
+    and the frozen LoRA base's (bf16 is safe: never updated)."""
 
     def __init__(self, name, lora_r=0, lora_alpha=32, lora_targets="all-linear", dtype="float32",
                  temperature=1.0, max_new_tokens=256, gen_batch=64, grad_ckpt=False, thinking=False,
-                 ref_copy=False, device="cpu"):
+                 ref_copy=False, frozen=False, device="cpu"):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
         self.device = torch.device(device)      # train.py's: utils.local_device, init_distributed's
         self.dtype, self.lora, self.thinking = getattr(torch, dtype), lora_r > 0, thinking
         try:
             self.tok = AutoTokenizer.from_pretrained(name)
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r else torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype if lora_r or frozen else
+                                                         torch.float32)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"--model {name}: could not load a causal LM ({type(e).__name__}: {e!s:.300}): "
                              "pass a hub id or a directory saved with save_pretrained") from None
@@ -135,10 +141,14 @@ class HFPolicy(_Text, nn.Module):
             # fp32 adapters over a bf16 base (PEFT's autocast_adapter_dtype): bf16 rounds AdamW's updates to 0
             model = get_peft_model(model, LoraConfig(r=lora_r, lora_alpha=lora_alpha,    # lora_dropout: 0
                                                      target_modules=lora_targets))
+        if frozen:                              # a teacher: no grad, no optimizer state
+            model.requires_grad_(False)
         self.model = model.to(self.device)
         _no_dropout(self.model)                 # LoRA's adapters included
-        # full fine-tuning + KL: a frozen copy (twice the weight memory; --lora's base is the reference, free)
-        self.ref = copy.deepcopy(model).requires_grad_(False).to(self.dtype) if ref_copy else None
+        # full fine-tuning + KL: the initial weights again, frozen, in dtype (--lora's base is the reference,
+        # free); loaded, not deep-copied: no second fp32 copy on the way
+        self.ref = (AutoModelForCausalLM.from_pretrained(name, dtype=self.dtype).requires_grad_(False)
+                    .to(self.device) if ref_copy else None)
         self.eos = stop_ids(self.tok, model.generation_config.eos_token_id)
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos[0]
         self.temperature, self.max_new_tokens, self.gen_batch = temperature, max_new_tokens, gen_batch
@@ -193,7 +203,10 @@ class HFPolicy(_Text, nn.Module):
                     completion[max(since[b], len(completion) - len(env.tool_stop)):])
                 if ended or called:
                     new = self.insertion(env, rows[b][1], completion, turns[b])
-                    stop[b], turns[b], inserts[b] = new is None, turns[b] + ended, new or []
+                    if new is EPISODE_OVER:
+                        stop[b] = True
+                    else:                               # a reply or a user turn: fed from the next step on
+                        stop[b], inserts[b], turns[b] = False, new, turns[b] + int(ended)
                     since[b] = len(completion) + len(inserts[b])
             done |= stop
             ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
@@ -373,7 +386,6 @@ class VLLMGenerator(_Text):
     never old_logp. act() is synchronous: one adapter in flight (max_loras=1)."""
 
     RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)   # the max_lora_rank values vLLM accepts
-    lora = None                                      # the adapter served (load_adapter): none yet, the base
 
     def __init__(self, name, lora_r, prompt_len, temperature=1.0, max_new_tokens=256, dtype="float32",
                  gpu_memory_utilization=0.85, seed=0, thinking=False):
@@ -406,6 +418,7 @@ class VLLMGenerator(_Text):
                 raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot "
                                  f"serve (it has kernels for head_dim {', '.join(map(str, supported))}): use "
                                  "a model with one of those (SmolLM2: 64), a GPU vLLM worker or drop --vllm")
+        self.lora = None                                # the adapter served (load_adapter): none yet, the base
         self.adapters, self.loads = tempfile.mkdtemp(prefix="nanorl-adapters-"), 0   # this worker's alone
         weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -437,21 +450,20 @@ class VLLMGenerator(_Text):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         problems, tool_stop = problems or itertools.repeat(None), env and env.tool_stop
-        # per sample: prompt, completion ids, sampler log-probs, sampled, truncated, problem, turns, calls
-        samples = [[p, [], [], [], True, q, 1, 0] for p, q in zip(prompt_ids, problems)
-                   for _ in range(group_size)]
+        samples = [SimpleNamespace(prompt=p, problem=q, ids=[], logp=[], sampled=[], truncated=True, turns=1,
+                                   calls=0) for p, q in zip(prompt_ids, problems) for _ in range(group_size)]
         seed, count, waiting = int(torch.randint(2**30, ())), itertools.count(), {}   # request id -> sample
 
         def request(s):                 # from the sample's prompt and ids so far
             i = next(count)
             params = SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                    max_tokens=self.max_new_tokens - len(s[1]),         # the default is 16
+                                    max_tokens=self.max_new_tokens - len(s.ids),        # the default is 16
                                     logprobs=0, stop_token_ids=self.eos,   # logprobs=0: the sampled token's
-                                    stop=[tool_stop] if tool_stop and s[7] < env.max_tool_calls else None,
+                                    stop=[tool_stop] if tool_stop and s.calls < env.max_tool_calls else None,
                                     include_stop_str_in_output=True, seed=None if greedy else seed + i,
                                     output_kind=RequestOutputKind.FINAL_ONLY)       # as LLM.generate's
             waiting[f"{seed}-{i}"] = s
-            self.llm.llm_engine.add_request(f"{seed}-{i}", {"prompt_token_ids": s[0] + s[1]}, params,
+            self.llm.llm_engine.add_request(f"{seed}-{i}", {"prompt_token_ids": s.prompt + s.ids}, params,
                                             lora_request=self.lora)
 
         for s in samples:
@@ -459,17 +471,21 @@ class VLLMGenerator(_Text):
         while waiting:                  # LLM.generate's loop, taking new requests as it goes
             for out in [out for out in self.llm.llm_engine.step() if out.finished]:
                 s = waiting.pop(out.request_id)
-                ids, logp, sampled, truncated, called = vllm_sample(out.outputs[0], self.eos, tool_stop)
-                s[1:5] = s[1] + ids, s[2] + logp, s[3] + sampled, truncated
-                if env and (called or not truncated):       # a call, or the end of a turn
-                    insert = self.insertion(env, s[5], s[1], s[6])
-                    # truncated, unless its next request ends otherwise: a turn that does not fit ends it
-                    s[4], s[6], s[7] = insert is not None, s[6] + (not called), s[7] + bool(called and insert)
-                    if insert is not None and len(s[1]) + len(insert) < self.max_new_tokens:
-                        s[1:4] = s[1] + insert, s[2] + [0.0] * len(insert), s[3] + [False] * len(insert)
-                        request(s)
-        return [(torch.tensor(ids, dtype=torch.long), torch.tensor(logp),
-                 torch.tensor(sampled), truncated) for _, ids, logp, sampled, truncated, *_ in samples]
+                ids, logp, sampled, s.truncated, called = vllm_sample(out.outputs[0], self.eos, tool_stop)
+                s.ids, s.logp, s.sampled = s.ids + ids, s.logp + logp, s.sampled + sampled
+                if not env or s.truncated and not called:   # neither a call nor the end of a turn
+                    continue
+                insert = self.insertion(env, s.problem, s.ids, s.turns)
+                if insert is EPISODE_OVER:
+                    continue
+                s.turns, s.calls = s.turns + int(not called), s.calls + int(called and len(insert) > 0)
+                s.truncated = True              # unless the next request ends otherwise: a turn that does not fit
+                if len(s.ids) + len(insert) < self.max_new_tokens:
+                    s.ids, s.logp = s.ids + insert, s.logp + [0.0] * len(insert)     # inserted: context
+                    s.sampled = s.sampled + [False] * len(insert)
+                    request(s)
+        return [(torch.tensor(s.ids, dtype=torch.long), torch.tensor(s.logp), torch.tensor(s.sampled),
+                 s.truncated) for s in samples]
 
 
 def make_tiny_lm(path, chars="0123456789 =,", seed=0):

@@ -85,44 +85,50 @@ def batch_from_bytes(data, limits):
     """The one gate: bytes -> (a Batch this run could have produced, metadata), or a ValueError naming the
     defect. limits (train.batch_limits): anything else raised inside the loop (on CUDA, a device-side
     assert). prompt_len 0: a control task; max_len: completion tokens (control: steps); obs_dim 0: tokens."""
-    t, meta = tensors_from_bytes(data)
-    G, P, prompt, L, A, holes, (lo, hi) = (limits[k] for k in (
-        "group_size", "n_prompts", "prompt_len", "max_len", "n_actions", "insertions", "reward"))
-    llm, version = prompt > 0, meta.get("version", "")
+    tensors, meta = tensors_from_bytes(data)
+    prompt_len, max_len, (low, high) = limits["prompt_len"], limits["max_len"], limits["reward"]
+    llm, version = prompt_len > 0, meta.get("version", "")
     if not (version.isdecimal() and meta.get("lease") and meta.get("run")):
         raise ValueError(f"metadata needs a version, a lease and a run (POST /lease): {str(meta)[:300]}")
-    s = t.get("states", torch.zeros(0))
-    T = s.shape[1] if s.ndim > 1 else -1
+    states = tensors.get("states", torch.zeros(0))
+    T = states.shape[1] if states.ndim > 1 else -1
     spec = wire_spec(limits, T)
-    if set(t) != set(spec):
-        raise ValueError(f"tensors {sorted(t)} are not this run's {sorted(spec)}: final_states [N, O] "
+    if set(tensors) != set(spec):
+        raise ValueError(f"tensors {sorted(tensors)} are not this run's {sorted(spec)}: final_states [N, O] "
                          f"comes with [N, T, O] states (control), never with [N, T] token ids")
-    for f, (dtype, shape) in spec.items():
-        if t[f].dtype != dtype or t[f].shape != shape:
-            raise ValueError(f"{f} {t[f].dtype} {list(t[f].shape)} is not this run's {dtype} {list(shape)}: "
-                             f"this run takes {P} prompts x {G} samples")
-        if not torch.isfinite(t[f]).all():                            # ids and flags are always finite
-            raise ValueError(f"NaN or inf in {f}")
-    if not 0 < T <= prompt + L:
-        raise ValueError(f"T {T} is not in 1..{prompt + L}: {prompt} prompt + {L} completion tokens" if llm
-                         else f"T {T} is not in 1..{L}: this task's steps")
-    batch = Batch(**{"final_states": None, **t}, group_size=G, version=int(version))
-    m = batch.mask
-    start, end = m.argmax(1), T - m.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask, not all 0
-    if not (((m == 0) | (m == 1)).all() and m.any(1).all() and batch.insertions().max() <= holes
-            and (end - start).max() <= L and start.min() >= llm and start.max() <= prompt):  # control: step 0
-        raise ValueError(f"each row's mask must be 0/1: 1s that start after its prompt ({int(llm)}..{prompt} "
-                         f"tokens) and span <= {L}, with runs of 0s inside only for insertions, at most "
-                         f"{holes} (--max-tool-calls + --max-turns - 1)")
-    a = batch.actions
-    if a.min() < 0 or a.max() >= A or (llm and not torch.equal(a, s)):
-        raise ValueError(f"token ids must be in [0, {A}) and actions equal states" if llm else
-                         f"action ids must be in [0, {A})")
-    R = batch.rewards.sum(1)                                            # [N]
-    where = torch.arange(T) == (end - 1)[:, None] if llm else m.bool()    # [N, T] where rewards may sit
-    if batch.rewards[~where].any() or R.min() < lo - 1e-5 or R.max() > hi + 1e-5:
+    for name, (dtype, shape) in spec.items():
+        if tensors[name].dtype != dtype or tensors[name].shape != shape:
+            raise ValueError(f"{name} {tensors[name].dtype} {list(tensors[name].shape)} is not this run's {dtype} "
+                             f"{list(shape)}: this run takes {limits['n_prompts']} prompts x "
+                             f"{limits['group_size']} samples")
+        if not torch.isfinite(tensors[name]).all():                     # ids and flags are always finite
+            raise ValueError(f"NaN or inf in {name}")
+    if not 0 < T <= prompt_len + max_len:
+        raise ValueError(f"T {T} is not in 1..{prompt_len + max_len}: {prompt_len} prompt + {max_len} completion "
+                         f"tokens" if llm else f"T {T} is not in 1..{max_len}: this task's steps")
+    batch = Batch(**{"final_states": None, **tensors}, group_size=limits["group_size"], version=int(version))
+    mask, actions = batch.mask, batch.actions
+    start, end = mask.argmax(1), T - mask.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask
+    holes, n_actions = limits["insertions"], limits["n_actions"]
+    rules = [   # (holds, what a worker's author reads when it does not), checked in this order
+        (((mask == 0) | (mask == 1)).all(), "mask must be 0 or 1 everywhere"),
+        (mask.any(1).all(), "every row's mask needs a 1 (a trained step)"),
+        (start.min() >= llm and start.max() <= prompt_len,
+         f"a row's 1s start after its prompt ({int(llm)}..{prompt_len} tokens)" if llm else "a row starts at step 0"),
+        ((end - start).max() <= max_len, f"a row's 1s span at most {max_len} steps (the completion budget)"),
+        (batch.insertions().max() <= holes, f"a row's runs of 0s between 1s are insertions: at most {holes} "
+                                            f"(--max-tool-calls + --max-turns - 1)"),
+        (actions.min() >= 0 and actions.max() < n_actions,
+         f"{'token' if llm else 'action'} ids must be in [0, {n_actions})"),
+        (not llm or torch.equal(actions, states), "token rows need actions equal states (both: the ids)")]
+    for holds, message in rules:
+        if not holds:
+            raise ValueError(message)
+    where = torch.arange(T) == (end - 1)[:, None] if llm else mask.bool()    # [N, T] where rewards may sit
+    total = batch.rewards.sum(1)                                               # [N]
+    if batch.rewards[~where].any() or total.min() < low - 1e-5 or total.max() > high + 1e-5:
         raise ValueError(f"rewards must sit on the {'last completion token' if llm else 'masked steps'} and "
-                         f"total within this task's [{lo:g}, {hi:g}] per row")
+                         f"total within this task's [{low:g}, {high:g}] per row")
     return batch, meta
 
 
@@ -177,14 +183,13 @@ class WireServer:
     is read. At most MAX_CONNS connections yet to show the token, the oldest closed (an honest client shows it
     in ms: a flood cuts no long-poll or download). Once `gone` is set, a request with the token gets a 410."""
 
-    gone, _thread = "", None
-
     def __init__(self, token, routes, max_body, host, port, timeout):
         if not token:
             raise ValueError("the trainer server needs a shared token: set NANORL_TOKEN to the same random "
                              "string (python -c 'import secrets; print(secrets.token_hex(16))') everywhere")
         self.token, self.routes, self.max_body, self.timeout = token.encode(), routes, max_body, timeout
         self.host, self.port = host, port
+        self.gone, self._thread = "", None          # gone: the 410's message once the run is over
         self._unknown = {}                          # the loop's, writer -> handler task: no token yet
 
     def start(self):
@@ -314,12 +319,11 @@ class BatchQueue:
     < k * bps + (bps - taken at this version) <= the capacity (k + 1) * bps. Leases prove life: one silent
     for lease_timeout s, older than lease_life s, or whose batch can only arrive stale is gone."""
 
-    version, _taken = 0, 0                          # the current version; batches taken at it
-    _step_s, _published = 1.0, 0.0                  # s per version (lead time; the 429's hint); last publish
-    _gen_s = math.inf                               # s from lease to batch, averaged: how far ahead to lease
-    _post_s, _asked = 0.0, 0                        # s the trainer works after a publish (evaluating)
-
     def __init__(self, max_staleness, batches_per_step, lease_timeout, lease_life):
+        self.version, self._taken = 0, 0            # the current version; batches taken at it
+        self._step_s, self._published = 1.0, 0.0    # s per version (lead time; the 429's hint); last publish
+        self._gen_s = math.inf                      # s from lease to batch, averaged: how far ahead to lease
+        self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish (evaluating); when
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
         self.lease_timeout, self.lease_life = lease_timeout, lease_life
@@ -501,11 +505,10 @@ class TrainerClient:
     """Connection failures retry with capped exponential backoff, then raise TrainerGone (the worker exits);
     HTTP errors raise Rejected at once. A retried POST /batch that had landed gets 409 (single-use leases)."""
 
-    retry_after, renew_s = 0.0, 1.0                 # s: until the next lease try; between heartbeats
-    finished = ""                                   # the trainer's 410, heard by the heartbeat: run over
-
     def __init__(self, url, token, timeout=60.0, patience=15.0, backoff=0.5):
         self.url, self.timeout, self.patience, self.backoff = url.rstrip("/"), timeout, patience, backoff
+        self.retry_after, self.renew_s = 0.0, 1.0   # s: until the next lease try; between heartbeats
+        self.finished = ""                          # the trainer's 410, heard by the heartbeat: run over
         self.auth = {"Authorization": f"Bearer {token}"}
         self.worker = secrets.token_hex(8)          # this process, for the trainer's cap on leases per worker
         self._open = urllib.request.build_opener(urllib.request.ProxyHandler({})).open  # no proxy sees token

@@ -235,7 +235,7 @@ def load_gsm8k(path, split):
 
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each (completion
+    tokens; eos, its end-of-turn ids; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each (completion
     ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
     tensors. env: None, or this task: after tool_stop the sampler inserts reply()'s ids, after the model's
     end-of-turn token respond()'s (sampled False, log-prob 0: never trained). Procedural tasks define
@@ -243,7 +243,6 @@ class LLMTask:
     (0/1), what eval_acc and pass@k read."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
-    train_set = None                            # data-backed tasks: every training problem
     reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
@@ -256,8 +255,11 @@ class LLMTask:
                  max_tool_calls=0, max_turns=1):
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
         self.pass_k, self.max_tool_calls, self.max_turns = pass_k, max_tool_calls, max_turns
+        self.train_set = None                               # data-backed tasks: every training problem
         self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
+        if not max_tool_calls:                              # no calls: the sampler looks for none
+            self.tool_stop = None
         if max_tool_calls:                                  # a wrong signature would turn every reply into an
             try:                                            # error (reward 0, training on): fail here instead
                 inspect.signature(self.tool).bind("12*34")
@@ -347,7 +349,7 @@ class LLMTask:
         ids, fn, records = self.prompt_ids(policy.encode, problems), self.rewards[0][1], []
         for i, (c, _, sampled, _) in enumerate(policy.act(ids, k, greedy, self.env, problems)):
             p, text = problems[i // k], self.graded(policy.decode, c, sampled)
-            records.append(sample_record(policy.decode, p["prompt"], c, sampled, kind="eval",
+            records.append(sample_record(policy, p["prompt"], c, sampled, kind="eval",
                                          reward=self.score(p, text, len(c)),
                                          correct=fn(p["prompt"], text, p["answer"]) == 1.0))
         return float(np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()), records
@@ -369,12 +371,27 @@ def runs(ids, sampled):
     return [(own, [token for token, _ in run]) for own, run in pairs]
 
 
-def sample_record(decode, prompt, ids, sampled, **fields):
-    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were scored (ids [C]) and,
-    if a tool or the environment replied, each reply's text in order (the runs of sampled == False)."""
-    replies = [decode(run) for own, run in runs(ids, sampled) if not own]
-    return {"prompt": prompt, "completion": decode(ids.tolist()), **fields,
-            **({"tool_replies": replies} if replies else {})}
+def sample_record(policy, prompt, ids, sampled, **fields):
+    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were trained (ids [C]), each
+    tool reply's text in order and, where the environment answered, the episode as role-tagged turns (the runs
+    inserted after an end-of-turn id are the user's, decoded with the template's role names; the rest, tool
+    replies included, the assistant's)."""
+    turns, replies, turn_ended = [[]], [], False    # turns: each one's ids, the assistant's first, alternating
+    for own, run in runs(ids, sampled):
+        if not own and turn_ended:                  # the environment's next user turn
+            turns += [run, []]
+        else:
+            turns[-1] += run
+            if not own:
+                replies.append(policy.decode(run))
+        turn_ended = run[-1] in policy.eos
+    record = {"prompt": prompt, "completion": policy.decode(ids.tolist()), **fields}
+    if replies:
+        record["tool_replies"] = replies
+    if len(turns) > 1:
+        record["turns"] = [{"role": ("assistant", "user")[i % 2], "text": policy.decode(ids)}
+                           for i, ids in enumerate(turns)]
+    return record
 
 
 class Countdown(LLMTask):

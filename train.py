@@ -30,6 +30,7 @@ import os  # noqa: E402
 import pathlib  # noqa: E402
 import secrets  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
@@ -38,10 +39,10 @@ from dataclasses import asdict, dataclass, field, fields  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC, opd  # noqa: E402
+from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC, distill  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
 from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
-from tasks import TASKS, sample_record  # noqa: E402
+from tasks import TASKS, LLMTask, sample_record  # noqa: E402
 from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
 
@@ -50,14 +51,12 @@ def flag(name):
     return "--" + name.replace("_", "-")
 
 
-class CommaList(tuple):  # choices of a comma-separated flag: argparse and validate() ask `value in choices`
-    def __contains__(self, value):
-        return set(value.split(",")) <= {"", *self}
-
-
 def arg(default, help, choices=None):   # metadata: the flag's add_argument keywords (argparse %-formats help)
     kw = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"type": type(default)}
     return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices, **kw})
+
+
+TRACKERS = ("wandb", "trackio", "tensorboard")     # --report-to's choices
 
 
 @dataclass
@@ -86,8 +85,10 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
-    teacher: str = arg("", "frozen teacher model for --algo opd or --distill-coef (--model's vocabulary)")
-    distill_coef: float = arg(0.0, "add c x opd's advantage to --algo's, e.g. GRPO + a teacher (0: off)")
+    teacher: str = arg("", "frozen teacher model for --algo opd or --distill-coef (--model's vocabulary); "
+                           "rollout workers never load it")
+    distill_coef: float = arg(0.0, "add C x the teacher's per-token log-ratio, clipped to [-1, 1] nats, to "
+                                   "--algo's advantage, e.g. GRPO + a teacher (0: off)")
     # LLM policy and sampling
     lora: bool = arg(False, "train LoRA adapters (PEFT) instead of all weights")
     lora_r: int = arg(16, "LoRA rank")
@@ -137,12 +138,18 @@ class Config:
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
-    report_to: str = arg("", "also log every CSV row to these trackers, comma-separated (pip install each; "
-                             "rank 0 only)", CommaList(["wandb", "trackio", "tensorboard"]))
+    report_to: str = arg("", f"also log every CSV row to these trackers, comma-separated: {', '.join(TRACKERS)} "
+                             f"(pip install each; rank 0 only)")
 
     @property
     def is_llm(self):
         return self.task in TASKS and TASKS[self.task].is_llm
+
+    @property
+    def distill(self):
+        """(coef, clip) of the teacher's per-token term (algos.distill): --algo opd's whole advantage, as it is;
+        --distill-coef C's, clipped to [-1, 1] nats beside a reward estimator's advantage."""
+        return (1.0, math.inf) if self.algo == "opd" else (self.distill_coef, 1.0)
 
 
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
@@ -168,11 +175,12 @@ def train(cfg):
     reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
     log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
              + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
+    teacher = make_teacher(cfg) if cfg.teacher else None   # first: its vocabulary checked before any weights load
     policy = make_policy(cfg, task)
-    teacher = make_teacher(cfg, policy) if cfg.teacher else None
     opt = make_optimizer(cfg, policy)
     state = (load_checkpoint(cfg, policy, opt) if cfg.resume       # run_id: the trackers', kept by --resume
              else {"step": 0, "env_steps": 0, "run_id": secrets.token_hex(8)})
+    last = LastStep(cfg, policy, opt, state, saving=rank == 0)    # what a stop or a checkpoint saves
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
     snapshots = Snapshots(cfg.max_staleness)
@@ -187,9 +195,11 @@ def train(cfg):
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
-    keywords = list(inspect.signature(estimator).parameters)[2:]   # by name: Config fields, opd's log-probs
+    # its hyper-parameters are the Config fields its parameters after (batch, policy) are named for (grpo: std_norm)
+    hyper = {name: getattr(cfg, name) for name in list(inspect.signature(estimator).parameters)[2:]}
+    shown = SHOW["llm" if cfg.is_llm else "control"] + (SHOW["async"] if trainer else [])
     t_loop = time.time()
-    with StopRequests() as stop:
+    with StopRequests(last) as stop:
         try:
             if cfg.eval_every and not cfg.resume:      # where the policy starts, for the curve
                 row = {"step": 0, "env_steps": 0, **evaluate(task, policy, log, rank, world)}
@@ -209,50 +219,51 @@ def train(cfg):
                     logp_behav = None
                 stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
-                # 2. advantage: the only line that differs between algorithms (--teacher: + opd's log-probs)
-                scores, distilled = teacher_scores(teacher, policy, batch, cfg) if teacher else ({}, {})
-                bound = vars(cfg) | scores
-                adv, target = estimator(batch, policy, **{k: bound[k] for k in keywords})
-                if cfg.distill_coef:
-                    adv = adv + cfg.distill_coef * opd(batch, policy, **scores)[0]
-                # 3. update
-                stats = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, stop)
+                # 2. advantage: the only line that differs between algorithms; a teacher's log-probs [N, T]
+                adv, target = estimator(batch, policy, **hyper)
+                teacher_logp = logprobs_no_grad(teacher, batch, cfg.micro_batch) if teacher else None
+                t_teacher = time.time() - t1
+                # 3. update (a teacher's term joins the advantage there, from the student's own first forward)
+                n_tok = int(all_sum(batch.mask.sum().item()))
+                last.pending = last.state | {"step": step, "env_steps": last.state["env_steps"] + n_tok}
+                stats, adv = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, teacher_logp,
+                                    stop)
                 # 4. publish (async), log, evaluate, checkpoint
                 if trainer:
                     publish(policy, cfg, step + 1, snapshots, server)
                     stats["staleness"] = all_sum(step - batch.version) / world
-                    stats |= {k: server.counters[k] for k in QUEUE_COLUMNS} if server else {}
-                t2, n_tok = time.time(), int(all_sum(batch.mask.sum().item()))
-                state.update(step=step, env_steps=state["env_steps"] + n_tok)
-                row = {"step": step, **batch_stats(batch, cfg, policy), **stats, **distilled,
+                if server:
+                    stats.update({name: server.counters[name] for name in QUEUE_COLUMNS})
+                if teacher:
+                    stats["teacher_s"] = t_teacher
+                t2 = time.time()
+                row = {"step": step, **batch_stats(batch, cfg, policy), **stats,
                        "gen_s": t1 - t0, "train_s": t2 - t1, "step_s": t2 - t0,
-                       "tokens_per_s": n_tok / (t2 - t0), "env_steps": state["env_steps"]}
+                       "tokens_per_s": n_tok / (t2 - t0), "env_steps": last.state["env_steps"]}
                 if cfg.eval_every and step % cfg.eval_every == 0:
                     row |= evaluate(task, policy, log, rank, world)
-                log.progress(row, SHOW[cfg.role != "sync"][cfg.is_llm], cfg.steps,
-                             (time.time() - t_loop) / (step - first + 1))
+                log.progress(row, shown, cfg.steps, (time.time() - t_loop) / (step - first + 1))
                 log.log(row, group_samples(policy, batch, adv))         # the group: made only if written
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
                 if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                    save_checkpoint(cfg, policy, opt, state | {"finished": finished})
+                    last.save(finished)
                 if done:
                     log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step "
-                             f"{step}, {time.time() - T0:.1f} s after process start, {state['env_steps']} "
-                             f"env steps")
+                             f"{step}, {time.time() - T0:.1f} s after process start, "
+                             f"{last.state['env_steps']} env steps")
                     break
             if server:                                  # workers hear it (410) and exit in seconds, not a
                 server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
         except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
             if rank == 0:
-                save_checkpoint(cfg, policy, opt, state | {"finished": ""})
+                last.save()                             # unless the stop's saver has written this step
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
-            launcher = (f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 torchrun --nproc_per_node={world} {script}"
-                        if world > 1 else f"python {script}")
+            launcher = f"torchrun --nproc_per_node={world} {script}" if world > 1 else f"python {script}"
             why = f"interrupted {e}" if isinstance(e, StopRun) else f"stopped ({e})"
-            log.info(f"\n{why}; saved {cfg.out}.pt as of step {state['step']} of {cfg.steps}; continue "
+            log.info(f"\n{why}; saved {cfg.out}.pt as of step {last.state['step']} of {cfg.steps}; continue "
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
             raise
         finally:
@@ -263,13 +274,12 @@ def train(cfg):
     return row
 
 
-# what the step line on stdout shows, [async][llm], those in the row (the CSV has every column)
-SHOW = [[["reward", "eval_return", "loss"],
-         ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "turns", "entropy", "kl",
-          "teacher_kl", "teacher_s"]],
-        [["reward", "eval_return", "staleness", "dropped_stale"],
-         ["reward", "eval_acc", "completion_len", "tool_frac", "turns", "staleness", "logp_gap", "teacher_kl",
-          "teacher_s", "dropped_stale", "dropped_no_snapshot"]]]
+# what the step line on stdout shows of the row (the CSV has every column): a control task's or an LLM's,
+# and an async trainer's besides
+SHOW = {"control": ["reward", "eval_return", "loss"],
+        "llm": ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "turns", "entropy", "kl",
+                "teacher_kl", "teacher_s"],
+        "async": ["staleness", "logp_gap", "dropped_stale", "dropped_no_snapshot"]}
 
 
 # ---- helpers, in the order the loop calls them ----
@@ -309,9 +319,20 @@ def validate(cfg, world=1):
         (not llm and (cfg.model or cfg.lora or cfg.max_tool_calls or cfg.teacher or cfg.max_turns > 1),
          f"--model, --lora, --teacher, --max-tool-calls, --max-turns are for LLMs; {cfg.task} trains an MLP: "
          f"drop them"),
-        (bool(cfg.teacher) != (cfg.algo == "opd") + bool(cfg.distill_coef),     # a teacher, and one use of it
-         "--teacher goes with one of --algo opd (its advantage alone) or --distill-coef C > 0 (added to "
-         "--algo's): pass --teacher and one of them"),
+        (cfg.algo == "opd" and not cfg.teacher and cfg.role != "rollout",    # workers never load a teacher
+         "--algo opd needs --teacher MODEL: its advantage is the teacher's grade of each sampled token"),
+        (cfg.distill_coef and not cfg.teacher and cfg.role != "rollout",
+         "--distill-coef needs --teacher MODEL, whose grades it adds to --algo's advantage"),
+        (cfg.distill_coef and cfg.algo == "opd",
+         "--distill-coef adds a teacher to a reward's advantage, and --algo opd has no reward: drop --distill-coef"),
+        (cfg.teacher and cfg.algo != "opd" and not cfg.distill_coef,
+         "--teacher is used by --algo opd (the teacher alone) or --distill-coef C > 0 (added to --algo's "
+         "advantage): pass one, or drop --teacher"),
+        (llm and cfg.max_turns > 1 and TASKS[cfg.task].respond is LLMTask.respond,
+         f"--max-turns {cfg.max_turns}: --task {cfg.task} has no environment to answer a turn (no respond()): "
+         f"drop --max-turns, or use a task with one (--task guess)"),
+        (set(cfg.report_to.split(",")) - {"", *TRACKERS},
+         f"--report-to {cfg.report_to}: choose from {', '.join(TRACKERS)}, comma-separated"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -398,31 +419,44 @@ def nanorl_processes():
 
 
 class StopRun(Exception):
-    """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): save, say how to resume, exit 130."""
+    """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): the last finished step is saved, exit 130."""
 
 
 class StopRequests:
-    """Ctrl-C or SIGTERM (sky cancel, spot notice) stops in seconds, not in minutes: a generation at once
-    (at_once), the update before its next epoch-0 micro-batch; ranks agree (agree()) before anything changes,
-    and the last finished step is saved. Another signal over 2 s later quits unsaved (sooner: forwarded)."""
+    """Ctrl-C or SIGTERM (kill, sky cancel, a spot notice, torchrun forwarding either) saves the last finished step
+    within seconds, however long a step or a micro-batch is: the signal wakes a thread that saves it (rank 0's
+    LastStep.save), through signal.set_wakeup_fd, whose byte is written even while the main thread is inside one
+    long forward, where no Python signal handler runs. torchrun SIGKILLs its ranks --shutdown-timeout s after
+    the signal (torch 2.11: always 30 s); by then the step is on disk. The main thread stops at its next check,
+    in step with every rank (agree()): a generation at once (at_once), an update before its next epoch-0
+    micro-batch, a step before its update. Another signal over 2 s later quits at once (sooner: forwarded)."""
 
-    asked, generating = 0.0, False                      # asked: time.monotonic() of the first signal
+    def __init__(self, last=None):
+        self.last = last                                # the LastStep a stop saves (rank 0's), or None
+        self.asked = 0.0                                # time.monotonic() of the first signal; 0: none yet
+        self.generating = False                         # inside at_once(): a stop raises StopRun at once
+        self.old_handlers, self.wake = {}, None
 
-    def __call__(self, signum, frame):                  # the signal handler
+    def __call__(self, signum, frame):                  # the signal handler, on the main thread
         if not self.asked:
             self.asked = time.monotonic()
             # os.write, not print(): the main thread may be inside print() when the signal comes
             os.write(2, f"\n{signal.Signals(signum).name}: stopping, saving the last finished step (send it "
-                        f"again to quit at once, unsaved)\n".encode())
+                        f"again to quit at once)\n".encode())
             if self.generating:
                 raise StopRun
         elif time.monotonic() - self.asked > 2:
             raise KeyboardInterrupt
 
+    def _saver(self, listen):                           # a thread: wakes when the first signal arrives
+        with listen:
+            if listen.recv(1) and self.last and self.last.saving:
+                self.last.save(say=True)
+
     @contextlib.contextmanager
     def at_once(self):
         """Inside, a stop raises StopRun where the code is: for work that changes nothing and calls no
-        collective (raising elsewhere left weights half-stepped, or a rank gone from a collective: no .pt)."""
+        collective (raising elsewhere left weights half-stepped, or a rank gone from a collective)."""
         self.generating = True
         try:
             if self.asked:
@@ -433,17 +467,88 @@ class StopRequests:
 
     def agree(self, where):
         """Every rank learns whether any was asked to stop, and all raise StopRun(where) together."""
-        if all_sum(self.asked > 0):
+        if all_sum(float(self.asked > 0)):
             raise StopRun(where)
 
     def __enter__(self):                                # only the main thread may set signal handlers
-        self.old = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)
-                    if threading.current_thread() is threading.main_thread()}
+        if threading.current_thread() is threading.main_thread():
+            self.old_handlers = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
+            listen, self.wake = socket.socketpair()
+            self.wake.setblocking(False)                # as set_wakeup_fd requires
+            self.old_wake_fd = signal.set_wakeup_fd(self.wake.fileno(), warn_on_full_buffer=False)
+            self.saver = threading.Thread(target=self._saver, args=(listen,), daemon=True, name="stop-saver")
+            self.saver.start()
         return self
 
     def __exit__(self, *exc):
-        for sig, handler in self.old.items():
+        for sig, handler in self.old_handlers.items():
             signal.signal(sig, handler)
+        if self.wake:
+            signal.set_wakeup_fd(self.old_wake_fd)
+            self.wake.close()                           # the saver's recv() returns b"": it ends
+            self.saver.join()                           # before the interpreter's exit (a live one: SIGABRT)
+
+
+class LastStep:
+    """The last finished step as a checkpoint holds it (trainable weights, optimizer state, state: its number),
+    kept whole for save(), which may run on any thread at any moment (a stop's saver). The weights and the
+    optimizer change only in optimizer_step(), under the lock, and the step's number changes with its last
+    optimizer step. Where they are another step's for longer, a copy of the last finished step's stands in:
+    with --inner-epochs E > 1, from a step's first optimizer step to its last, a host copy taken before the
+    first (rank 0; LoRA: megabytes, full fine-tuning: 3x the weights in host memory); while an async trainer
+    scores under an older snapshot (swapped()). So a stop saves the step before, never a half-applied one."""
+
+    def __init__(self, cfg, policy, opt, state, saving):
+        self.cfg, self.policy, self.opt, self.saving = cfg, policy, opt, saving   # saving: this rank writes
+        self.state = self.pending = state               # pending: the state once this step's update is done
+        self.lock, self.stand_in, self.saved = threading.Lock(), None, None
+
+    def optimizer_step(self, epoch, epochs, finite):
+        """opt.step() as epoch `epoch` of `epochs` (not if its gradient was non-finite); the last makes the
+        pending state the last finished step."""
+        with self.lock:
+            if epoch == 0 and epochs > 1 and self.saving:
+                self.stand_in = host_copy((trainable(self.policy), self.opt.state_dict()))
+            if finite:
+                self.opt.step()
+            if epoch == epochs - 1:
+                self.state, self.stand_in = self.pending, None
+
+    @contextlib.contextmanager
+    def swapped(self, current):
+        """Inside, the live weights are another version's; `current`, a copy of them, stands in."""
+        with self.lock:
+            self.stand_in = (current, self.opt.state_dict())
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.stand_in = None
+
+    def save(self, finished="", say=False):
+        """Write <out>.pt (atomic: a temp file, then a rename), unless it holds this step already; say: print
+        that it did (under the lock: before any later message about it)."""
+        with self.lock:
+            if self.saved == (self.state["step"], finished):
+                return
+            weights, optimizer = self.stand_in or (trainable(self.policy), self.opt.state_dict())
+            path = self.cfg.out + ".pt"                 # its folder exists: rank 0's Logger.open_csv made it
+            torch.save({"format": "nanorl-1", "config": asdict(self.cfg), "optimizer": optimizer,
+                        "policy": {name: w.detach().cpu() for name, w in weights.items()},   # not a frozen base
+                        **self.state, "finished": finished}, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self.saved = (self.state["step"], finished)
+            if say:
+                print(f"saved {path} as of step {self.state['step']}, the last finished one", flush=True)
+
+
+def host_copy(x):
+    """A copy of nested tuples, dicts and lists of tensors (an optimizer's state_dict), its tensors in host memory."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(host_copy(v) for v in x)
+    if isinstance(x, dict):
+        return {k: host_copy(v) for k, v in x.items()}
+    return x.detach().to("cpu", copy=True) if torch.is_tensor(x) else x
 
 
 def evaluate(task, policy, log, rank, world):
@@ -455,14 +560,15 @@ def evaluate(task, policy, log, rank, world):
 
 def group_samples(policy, batch, adv):
     """samples.jsonl records of this rank's first group whose rewards differ (else its first), made as written
-    (rank 0): one prompt's G completions beside their rewards and advantages. batch [N, T]"""
+    (rank 0): one prompt's G completions beside their rewards and advantages (a row's mean). batch [N, T]"""
     G, g = batch.group_size, int((~batch.equal_groups()).float().argmax())  # argmax: the first, 0 if none
     for i in range(g * G, g * G + G):
         trained = batch.mask[i].nonzero()[:, 0]          # the completion's sampled positions
         start, end = int(trained[0]), int(trained[-1]) + 1
-        yield sample_record(policy.decode, policy.decode(batch.states[i, :start].tolist()),
-                            batch.states[i, start:end], batch.mask[i, start:end] > 0, kind="train",
-                            reward=batch.rewards[i].sum().item(), advantage=adv[i, start].item())
+        advantage = adv[i, trained].mean().item()      # per-token (a teacher's) or one per row (a reward's)
+        yield sample_record(policy, policy.decode(batch.states[i, :start].tolist()), batch.states[i, start:end],
+                            batch.mask[i, start:end] > 0, kind="train", reward=batch.rewards[i].sum().item(),
+                            advantage=advantage)
 
 
 def make_task(cfg):
@@ -512,30 +618,28 @@ def find_model(name, what="--model"):
                      f"configs/smollm2_addition.yaml, or pass a hub id")
 
 
-def make_teacher(cfg, policy):
-    """--teacher: a frozen HFPolicy (no grad, no optimizer state, eval mode, weights in --dtype) scored as the
-    policy is, on the student's ids: so the vocabularies must match, checked before its weights load."""
-    from transformers import AutoTokenizer
+def make_teacher(cfg):
+    """--teacher: a frozen HFPolicy (no grad, no optimizer state, eval mode, loaded in --dtype) scored as the
+    policy is, on the student's ids: its tokenizer must be the student's and its logits cover every id the
+    student can emit, checked before any weights load."""
+    from transformers import AutoConfig, AutoTokenizer
+    find_model(cfg.model)
     find_model(cfg.teacher, "--teacher")
-    vocab = AutoTokenizer.from_pretrained(cfg.teacher).get_vocab()
-    if vocab != policy.tok.get_vocab():
+    vocab, student_vocab = (AutoTokenizer.from_pretrained(m).get_vocab() for m in (cfg.teacher, cfg.model))
+    if vocab != student_vocab:
         raise ValueError(f"--teacher {cfg.teacher} has another vocabulary ({len(vocab)} tokens) than --model "
-                         f"{cfg.model} ({len(policy.tok)}): use one with its tokenizer (same model family)")
-    teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, device=policy.device)
-    teacher.model.requires_grad_(False).to(teacher.dtype)
+                         f"{cfg.model} ({len(student_vocab)}): use one with its tokenizer (same model family)")
+    rows, ids = (AutoConfig.from_pretrained(m).get_text_config().vocab_size for m in (cfg.teacher, cfg.model))
+    if rows < ids:
+        raise ValueError(f"--teacher {cfg.teacher} has logits for {rows} token ids, fewer than the {ids} --model "
+                         f"{cfg.model} can emit: use a teacher with the student's vocabulary size (same family)")
+    t0, say = time.time(), Logger(enabled=os.environ.get("RANK", "0") == "0").info
+    teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, frozen=True,
+                       device=local_device(True))
+    n = sum(p.numel() for p in teacher.parameters())
+    say(f"loaded teacher {cfg.teacher} on {teacher.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M "
+        f"parameters, {cfg.dtype}, frozen")
     return teacher
-
-
-def teacher_scores(teacher, policy, batch, cfg):
-    """[N, T] log-probs of this rank's sampled tokens, teacher's and current weights', scored as update() does
-    -> (algos.opd's inputs by name, {teacher_kl: mean of student - teacher over all ranks, teacher_s})"""
-    t0 = time.time()
-    logp_teacher = torch.cat(score(teacher, batch, cfg.micro_batch))                 # [N, T]
-    t1 = time.time()
-    logp_student = torch.cat(score(policy, batch, cfg.micro_batch))                  # [N, T]
-    kl = masked_sum(logp_student - logp_teacher, batch.mask).item()
-    return (dict(logp_teacher=logp_teacher, logp_student=logp_student),
-            dict(teacher_kl=all_sum(kl) / all_sum(batch.mask.sum().item()), teacher_s=t1 - t0))
 
 
 def make_optimizer(cfg, policy):
@@ -670,7 +774,7 @@ def async_batch(server, snapshots, policy, cfg, version, world, stop):
                 server.count("used", -world)
             continue
         stale = batch.version != version
-        return batch, behav_logprobs(policy, batch, snap, cfg.micro_batch) if stale else None
+        return batch, behav_logprobs(policy, batch, snap, cfg.micro_batch, stop.last) if stale else None
 
 
 def wait_for_batches(server, n, version, timeout, stop):
@@ -689,33 +793,38 @@ def wait_for_batches(server, n, version, timeout, stop):
 
 
 @torch.no_grad()
-def score(policy, batch, micro_batch):
+def logprobs_no_grad(policy, batch, micro_batch):
     """Log-probs sliced as update() slices: bit for bit its forward's. -> [[mb, T] per micro-batch]"""
     return [policy.logprobs(batch[s])[0] for s in batch.micro_batches(micro_batch)]
 
 
 @torch.no_grad()
-def behav_logprobs(policy, batch, snapshot, micro_batch):
-    """Swap in the weights that sampled the batch, score it, restore the current weights bit for bit."""
+def behav_logprobs(policy, batch, snapshot, micro_batch, last=None):
+    """Swap in the weights that sampled the batch, take its log-probs, restore the current weights bit for bit
+    (meanwhile a stop saves their copy: last.swapped)."""
     current = {n: p.clone() for n, p in trainable(policy).items()}   # under no_grad: no graph to detach
-    try:
-        set_weights(policy, snapshot)
-        return score(policy, batch, micro_batch)
-    finally:
-        set_weights(policy, current)
+    with last.swapped(current) if last else contextlib.nullcontext():
+        try:
+            set_weights(policy, snapshot)
+            return logprobs_no_grad(policy, batch, micro_batch)
+        finally:
+            set_weights(policy, current)
 
 
 def batch_stats(batch, cfg, policy):
     """The rollout, over all ranks: mean reward, lengths, truncation, dead groups, tool calls, turns."""
-    n = all_sum(len(batch))
-    turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
-    replies = batch.insertions() - (turns - 1)  # [N] less the user turn inserted after each turn but the last
-    dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0
     per_row = {"reward": batch.grouped_rewards(), "completion_len": batch.mask.sum(1),   # [n_prompts, G], [N]
-               "truncated_frac": batch.truncated, **({"turns": turns} if cfg.max_turns > 1 else {}),
-               **({"tool_calls": replies, "tool_frac": replies > 0} if cfg.max_tool_calls else {})}
-    return {**{k: all_sum(x.float().sum().item()) / n for k, x in per_row.items()},
-            "zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
+               "truncated_frac": batch.truncated}
+    turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
+    if cfg.max_turns > 1:
+        per_row["turns"] = turns
+    if cfg.max_tool_calls:      # the insertions less the user turn after each turn but the last: replies [N]
+        replies = batch.insertions() - (turns - 1)
+        per_row |= {"tool_calls": replies, "tool_frac": replies > 0}
+    dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0   # groups with no reward signal
+    n = all_sum(len(batch))
+    stats = {name: all_sum(x.float().sum().item()) / n for name, x in per_row.items()}
+    return stats | {"zero_std_frac": all_sum(dead) / all_sum(batch.n_prompts)}
 
 
 def aggregate(x, mask, agg, denom):
@@ -732,33 +841,41 @@ def policy_loss(logp, logp_prox, adv, mask, clip_low, clip_high, agg, denom):
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
-def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=None):
+def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teacher_logp=None, stop=None):
     """inner_epochs optimizer steps on a batch, micro-batched, gradients summed over ranks. Log-probs [mb, T]:
     the sampler's (batch.logp: logp_gap, --tis-cap); logp_behav, the trainer's under the weights that sampled
     the batch (async: a snapshot; sync, None: these); logp_prox, these before the update. Per token:
         loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
         A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
     min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
-    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient."""
+    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
+    teacher_logp ([mb, T] each, --teacher): A += algos.distill(teacher, pi_prox), pi_prox from epoch 0's own
+    forward, not from one more (not batch.logp: a worker's, untrusted, and off by kernels; not pi_behav: the
+    gradient is the current student's KL). -> (stats, the advantage trained on [N, T])"""
+    stop = stop or StopRequests(LastStep(cfg, policy, opt, {}, saving=False))   # no signals, nothing saved
     mbs = batch.micro_batches(cfg.micro_batch)
     clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
     logp_prox = []                                      # per micro-batch
     logp_behav = logp_behav or logp_prox
+    advs = [adv[s] for s in mbs]                        # per micro-batch; a teacher's term joins in epoch 0
     ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
-    skipped = 0
+    skipped, teacher_kl = 0, 0.0
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
         for i, s in enumerate(mbs):
-            if stop and epoch == 0 and i:               # every rank, no step yet (before mb 0: train()'s)
+            if epoch == 0 and i:                        # every rank, no step yet (before mb 0: train()'s)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
             mb, m = batch[s], batch.mask[s]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
             if epoch == 0:
                 logp_prox.append(logp.detach())
-            a = adv[s] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
+                if teacher_logp:
+                    advs[i] = advs[i] + distill(teacher_logp[i], logp_prox[i], m, *cfg.distill)
+                    teacher_kl += masked_sum(logp_prox[i] - teacher_logp[i], m).item()
+            a = advs[i] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, clip_high, cfg.loss_agg, denom)
@@ -782,29 +899,27 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, stop=
         all_reduce_grads(policy.parameters())           # those with a gradient: frozen ones have none
         norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
                  for name, ps in policy.param_groups().items()}
-        if all(torch.isfinite(n) for n in norms.values()):
-            opt.step()
-        else:                                           # never write NaN/inf into the weights
+        finite = all(torch.isfinite(n) for n in norms.values())    # never write NaN/inf into the weights
+        stop.last.optimizer_step(epoch, cfg.inner_epochs, finite)
+        if not finite:
             skipped += 1
             print(f"skipped update (epoch {epoch}): non-finite gradient norm "
                   f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr)   # stderr: line-buffered
-    return dict(zip(sums, all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()),
-                grad_norm=norms["actor"].item(), skipped=skipped)
-
-
-def save_checkpoint(cfg, policy, opt, state):
-    """Atomic: write a temp file, then rename, so a crash never leaves a half-written checkpoint."""
-    path = cfg.out + ".pt"                              # its folder exists: rank 0's Logger.open_csv made it
-    torch.save({"format": "nanorl-1", "config": asdict(cfg),
-                "policy": {n: p.detach().cpu() for n, p in trainable(policy).items()},   # not a frozen base
-                "optimizer": opt.state_dict(), **state}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if teacher_logp:                                    # mean log pi_student - log pi_teacher per trained token
+        sums["teacher_kl"] = teacher_kl
+    totals = all_sum(torch.tensor(list(sums.values()), dtype=torch.float64))   # every rank's: one all-reduce
+    stats = {name: total.item() for name, total in zip(sums, totals)}
+    if teacher_logp:
+        stats["teacher_kl"] /= n_tok
+    stats |= {"grad_norm": norms["actor"].item(), "skipped": skipped}
+    return stats, torch.cat(advs)
 
 
 # what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
 RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at", "report_to",
                      "micro_batch", "gen_batch", "grad_ckpt", "threads", "serve_host", "serve_port",
-                     "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem"}
+                     "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem",
+                     "teacher"}   # a moved teacher folder: its vocabulary is checked again at start-up
 
 
 def read_checkpoint(path, mmap=False, what="--resume"):
@@ -844,26 +959,36 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, vLLM), LoRA merged, in fp32."""
+    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, --teacher, vLLM), LoRA merged into
+    the base, in the run's --dtype. DIR must be new or empty: never the run's --model or --teacher folder."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
     ck = read_checkpoint(path, what="--export")
-    cfg = Config(**ck["config"] | {"dtype": "float32"})
+    cfg = Config(**ck["config"] | {"ref_copy": False})  # the trained model alone: no copy for a reference
     if not cfg.is_llm:
         raise ValueError(f"--export {path}: a --task {cfg.task} run trained an MLP: only LLM runs export")
+    for name, folder in (("--model", cfg.model), ("--teacher", cfg.teacher)):
+        if folder and os.path.exists(out) and os.path.exists(folder) and os.path.samefile(out, folder):
+            raise ValueError(f"--export {path} {out}: that is the run's {name} folder, whose weights it would "
+                             f"replace (a --resume would then add the training twice): export to a new folder")
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise ValueError(f"--export {path} {out}: {out} exists and is not an empty folder, and nothing is "
+                         f"overwritten: export to a new folder, or delete it first")
     policy = make_policy(cfg, None)
     set_weights(policy, ck["policy"])               # every trained weight, by name
-    (policy.model.merge_and_unload() if cfg.lora else policy.model).save_pretrained(out)
+    model = policy.model.merge_and_unload() if cfg.lora else policy.model   # merged in place, not copied
+    model.to(policy.dtype).save_pretrained(out)     # trained in fp32 over a --dtype base: saved in --dtype
     policy.tok.save_pretrained(out)
-    print(f"exported {path} to {out}")
+    print(f"exported {path} to {out} ({cfg.dtype})")
 
 
 # ---- configuration: the CLI is generated from Config; a YAML preset supplies defaults ----
 
 def parse_config(argv):
     """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then argv's flags."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="python train.py --export RUN.pt DIR "
+                                "writes an LLM run as a Hugging Face folder (LoRA merged, in the run's --dtype)")
 
     def fail(message):                                  # one line naming the fix, not a 25-line usage dump
         raise ValueError(f"{message} (python train.py --help lists every flag)")

@@ -25,7 +25,7 @@ from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer
 from test_dist import free_port
 from test_serve import bad_batches, bad_for_the_run, make_batch, status_of, status_raw
 from test_train import ROOT
-from train import (Config, batch_limits, fingerprint, make_task, behav_logprobs, rollout_worker, score, train,
+from train import (Config, batch_limits, fingerprint, make_task, behav_logprobs, rollout_worker, logprobs_no_grad, train,
                    trainable, validate)
 
 TOKEN = "async-test-token"
@@ -153,7 +153,7 @@ def test_llm_behav_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(t
         for p in trainable(policy).values():
             p.add_(0.05 * torch.randn_like(p))                                    # the trainer moved on
     old = torch.cat(behav_logprobs(policy, batch, snaps.get(1), micro_batch=4))
-    assert torch.equal(old, torch.cat(score(direct, batch, 4)))
+    assert torch.equal(old, torch.cat(logprobs_no_grad(direct, batch, 4)))
     gap = (batch.logp - old).abs()[batch.mask.bool()]                              # KV-cached decode vs full forward
     assert 0 < gap.max() < 1e-4 and batch.mask.sum() >= 16
 
@@ -253,7 +253,7 @@ def test_a_worker_reloads_when_the_run_changes_even_at_the_same_version(monkeypa
             worker.start()
         batch = server.next_batches(1, 1, timeout=30)[0]
         server.stop()
-        a, b = (torch.cat(score(p, batch, 0)) * batch.mask for p in policies)
+        a, b = (torch.cat(logprobs_no_grad(p, batch, 0)) * batch.mask for p in policies)
         assert torch.allclose(batch.logp, (a, b)[i], atol=1e-6) and not torch.allclose(batch.logp, (b, a)[i], atol=1e-3)
     worker.join(30)
     assert not worker.is_alive()

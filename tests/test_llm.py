@@ -99,7 +99,7 @@ def test_sampler_logprobs_match_scoring_and_ratio_is_one(tiny, grad_ckpt):
     cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=4, loss_agg="seq", micro_batch=3, max_grad_norm=0.0)
     adv = (batch.rewards.sum(1, keepdim=True) - 0.5) * batch.mask
     opt = Adam(list(pol.param_groups().values()), lr=1e-3)
-    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    stats, _ = update(pol, opt, batch, adv, None, cfg, 6)
     assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0 and stats["logp_gap"] < 1e-5
 
 
@@ -128,12 +128,12 @@ def test_lora_trains_adapters_only_and_kl_starts_at_zero(tiny):
     cfg = Config(task="maxdigit", model=tiny, algo="grpo", group_size=2, loss_agg="seq", kl_coef=0.1, lora=True)
     adv = (torch.arange(4.0)[:, None] - 1.5) * batch.mask
     opt = Adam(list(pol.param_groups().values()), lr=1e-2)
-    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    stats, _ = update(pol, opt, batch, adv, None, cfg, 6)
     assert stats["kl"] == 0.0                                         # LoRA's B starts at 0: adapter off == on
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in pol.named_parameters()
                if p.requires_grad and "lora_B" in n)
     assert all(torch.equal(base[n], p) for n, p in pol.named_parameters() if not p.requires_grad)
-    stats = update(pol, opt, batch, adv, None, cfg, 6)
+    stats, _ = update(pol, opt, batch, adv, None, cfg, 6)
     assert stats["kl"] > 0                                            # after a step the adapter moved the policy
 
 
@@ -265,12 +265,12 @@ def test_micro_batches_that_split_groups_give_the_one_backward_gradient(tiny, gr
 
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 def test_scoring_is_bit_identical_to_the_update_forward_under_the_same_weights(tiny, grad_ckpt):
-    """A worker's score(), the trainer's behav_logprobs() under the snapshot, and update()'s own forward (with
+    """A worker's logprobs_no_grad(), the trainer's behav_logprobs() under the snapshot, and update()'s own forward (with
     grad, in training mode) slice micro-batches alike and compute the same numbers, bit for bit."""
-    from train import behav_logprobs, score, trainable
+    from train import behav_logprobs, logprobs_no_grad, trainable
     pol = policy(tiny, grad_ckpt=grad_ckpt)
     batch = mixed_batch(pol)
-    worker = score(pol, batch, 5)
+    worker = logprobs_no_grad(pol, batch, 5)
     snapshot = {n: p.detach().clone() for n, p in trainable(pol).items()}
     with torch.no_grad():
         for p in trainable(pol).values():                                 # the trainer has moved on since

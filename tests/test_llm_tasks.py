@@ -186,7 +186,7 @@ class ScriptedLLM:
     stop token appended unless truncated and log-probs -0.1, -0.2, ... per completion token."""
 
     def __init__(self, reply):
-        self.reply, self.calls = reply, []
+        self.reply, self.calls, self.eos = reply, [], [0]
 
     def encode(self, text):
         return [ord(c) for c in text]

@@ -494,8 +494,10 @@ def bad_for_the_run(limits, version=1):
     out = [("this run takes", make_batch(N=N + G, **kw)),                             # one prompt too many
            ("is not in 1..", make_batch(N=N, T=prompt + L + 1, **kw)),                # T one past the budget
            ("is not in 1..", replace(b, **{f: getattr(b, f)[:, :0] for f in steps})),   # T 0: was a 500
-           ("runs of 0s inside only for insertions", edit("mask", lambda m: m[0].zero_())),                # an empty row
-           ("runs of 0s inside only for insertions", edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
+           ("every row's mask needs a 1", edit("mask", lambda m: m[0].zero_())),                # an empty row
+           ("mask must be 0 or 1", edit("mask", lambda m: m[0].__setitem__(e - 1, 0.5))),
+           ("start after its prompt" if llm else "runs of 0s between 1s are insertions: at most 0",   # a hole
+            edit("mask", lambda m: m[0].copy_(torch.tensor([1.0, 0, 1] + [0] * (len(m[0]) - 3))))),
            ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, hi + 1))),
            ("not this run's", make_batch(N=N, **{**kw, "llm": not llm}))]             # rows of the other kind
     if llm:
@@ -512,13 +514,13 @@ def bad_for_the_run(limits, version=1):
                 ("last completion token", edit("rewards", lambda r: r[0].__setitem__(0, 0.5))),
                 ("total within", edit("rewards", lambda r: r[0].__setitem__(e - 1, lo - 1)))]
         if prompt >= 2:                                                               # a completion one too long
-            out.append(("start after its prompt", edit("mask", lambda m: m[0, 1:L + 2].fill_(1),
+            out.append(("span at most", edit("mask", lambda m: m[0, 1:L + 2].fill_(1),
                                                        make_batch(N=N, T=prompt + L, **kw))))
     else:
         short = edit("mask", lambda m: m[0, 1:].zero_())
         out += [("action ids must be in", edit("actions", lambda a: a[0].__setitem__(0, A))),
                 ("action ids must be in", edit("actions", lambda a: a[0].__setitem__(0, -1))),
-                ("start after its prompt (0..0", edit("mask", lambda m: (m[0].zero_(), m[0, 1:3].fill_(1)))),
+                ("a row starts at step 0", edit("mask", lambda m: (m[0].zero_(), m[0, 1:3].fill_(1)))),
                 ("masked steps", edit("rewards", lambda r: r[0].__setitem__(3, 1.0), replace(short, rewards=short.mask.clone()))),
                 ("not this run's", replace(b, states=torch.randn(N, 5, 5), final_states=torch.randn(N, 5)))]
     return out
@@ -715,8 +717,8 @@ def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil(monkeypatc
 
 def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else_is(serve):
     """A tool reply or an environment's user turn is a run of 0s inside a completion (tasks.LLMTask.reply and
-    respond): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or 0s in the prompt part counted
-    as a completion that starts early, get a 400 naming the rule."""
+    respond): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or a completion that starts early
+    and so spans more than the budget, get a 400 naming the rule each breaks."""
     limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "insertions": 1}     # train.batch_limits: 1 + 1 - 1
     server, client = serve(limits=limits)
     good = make_batch(N=4, T=8, llm=True, seed=1)
@@ -732,10 +734,10 @@ def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else
     wide = replace(good, mask=good.mask.clone())
     wide.mask[0] = torch.tensor([0, 1, 0, 0, 1, 1, 1, 1.0])                            # spans 7 > 6 tokens
     run, _, lease = client.lease()
-    for bad in (two, wide):
+    for bad, why in ((two, "insertions: at most 1 (--max-tool-calls + --max-turns - 1)"), (wide, "span at most 6")):
         with pytest.raises(Rejected) as e:
             client.submit(bad, lease, run)
-        assert e.value.status == 400 and "at most 1 (--max-tool-calls + --max-turns - 1)" in str(e.value)
+        assert e.value.status == 400 and why in str(e.value), str(e.value)
     limits0 = {**limits, "insertions": 0}                                              # tools off: no holes
     with pytest.raises(ValueError, match="at most 0"):
         batch_from_bytes(batch_to_bytes(good, "lease", "run"), limits0)

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from model import HFPolicy  # noqa: E402
 from tasks import Addition, MaxDigit, Multiply  # noqa: E402
-from train import Config, load_checkpoint, make_optimizer, save_checkpoint, trainable, update  # noqa: E402
+from train import Config, LastStep, load_checkpoint, make_optimizer, trainable, update  # noqa: E402
 
 from test_llm import as_batch  # noqa: E402
 from test_train import ROOT  # noqa: E402
@@ -162,7 +162,7 @@ def test_full_fine_tuning_keeps_lm_head_and_embeddings_one_tensor(tied_lm, tmp_p
     del untied, head, emb
     assert tied(m) and not torch.equal(start, m.lm_head.weight)               # moved, and still one tensor
     del start
-    save_checkpoint(cfg, pol, opt, {"step": 1, "env_steps": 0})
+    LastStep(cfg, pol, opt, {"step": 1, "env_steps": 0}, saving=True).save()
     again = HFPolicy(smollm2)                           # a fresh process's view: the converted weights
     cfg_resume = dataclasses.replace(cfg, resume=cfg.out + ".pt")
     opt2 = make_optimizer(cfg_resume, again)

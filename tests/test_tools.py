@@ -168,7 +168,7 @@ def test_a_reply_contributes_nothing_to_the_loss_or_the_gradient_whatever_its_lo
         torch.manual_seed(0)
         pol = lively(policy(tiny, max_new_tokens=10, lora_r=4))
         hook = pol.model.get_output_embeddings().register_forward_hook(noise) if noise else None
-        stats = update(pol, Adam(list(pol.param_groups().values()), lr=1e-2), batch, adv, None, cfg, 10)
+        stats, _ = update(pol, Adam(list(pol.param_groups().values()), lr=1e-2), batch, adv, None, cfg, 10)
         if hook:
             hook.remove()
         return stats, [p.detach().clone() for p in pol.param_groups()["actor"]]

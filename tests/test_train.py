@@ -33,7 +33,7 @@ def setup(algo="ppo", seed=0, **kw):
 def grads_after(policy, cfg, batch, adv, target, max_len=500, logp_behav=None):
     policy = copy.deepcopy(policy)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
-    stats = update(policy, opt, batch, adv, target, cfg, max_len, logp_behav)
+    stats, _ = update(policy, opt, batch, adv, target, cfg, max_len, logp_behav)
     return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats
 
 
@@ -92,7 +92,7 @@ def test_a_stale_batch_over_two_epochs_gives_the_hand_computed_loss():
     policy = TwoActions()
     cfg = Config(inner_epochs=2, clip_eps=0.2, loss_agg="token", max_grad_norm=0.0, lr=0.5)
     behav = torch.tensor([[0.25, 0.8]]).log()                                          # [1, 2]
-    stats = update(policy, Adam([[policy.theta]], lr=0.5), batch, torch.tensor([[1.0, -1.0]]), None, cfg, 2,
+    stats, _ = update(policy, Adam([[policy.theta]], lr=0.5), batch, torch.tensor([[1.0, -1.0]]), None, cfg, 2,
                    [behav])
     assert stats["loss"] == pytest.approx(-0.35, abs=1e-6)
     assert stats["clip_frac"] == pytest.approx(1.0)                                    # both tokens clipped
@@ -117,7 +117,7 @@ def test_non_finite_gradient_skips_the_update_and_keeps_weights():
     adv[0, 0] = float("nan")
     before = copy.deepcopy(policy.state_dict())
     opt = Adam(list(policy.param_groups().values()), lr=0.1)
-    stats = update(policy, opt, batch, adv, target, cfg, 500)
+    stats, _ = update(policy, opt, batch, adv, target, cfg, 500)
     assert stats["skipped"] == 1 and opt.t == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
@@ -182,8 +182,7 @@ def test_bad_config_names_the_fix(kw, msg):
 
 @pytest.mark.parametrize("flag,value,valid", [("--algo", "a2c", "grpo"), ("--task", "pong", "cartpole"),
                                               ("--loss-agg", "mean", "seq"), ("--role", "trainr", "trainer"),
-                                              ("--dtype", "float64", "bfloat16"),
-                                              ("--report-to", "wandb,mlflow", "tensorboard")])
+                                              ("--dtype", "float64", "bfloat16")])
 def test_an_unknown_choice_names_the_choices(flag, value, valid, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=f"argument {flag}: invalid choice: '{value}' \\(choose from '"):
         parse_config([flag, value])
@@ -196,6 +195,13 @@ def test_an_unknown_choice_names_the_choices(flag, value, valid, tmp_path, monke
     with pytest.raises(ValueError, match=f"^{flag} {value}: choose from .*{valid}") as e:
         validate(Config(**{name: value}))
     assert "\n" not in str(e.value)                                                   # that error alone
+
+
+def test_report_to_takes_a_comma_separated_list_of_trackers_and_names_an_unknown_one():
+    validate(parse_config(["--report-to", "wandb,tensorboard"]))
+    for how in (["--report-to", "wandb,mlflow"], ["--report-to=mlflow"]):
+        with pytest.raises(ValueError, match="^--report-to (wandb,)?mlflow: choose from wandb, trackio, tensorboard"):
+            validate(parse_config(how))
 
 
 def test_report_to_takes_a_comma_separated_list_of_trackers():

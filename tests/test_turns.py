@@ -122,11 +122,17 @@ def test_the_verifiers_read_the_models_own_text_unless_the_task_reads_the_insert
     assert graded(turns, answers) == "50\n75" and turns.score({"prompt": "", "answer": "75"}, "50\n75", 4) == 1.0
 
 
-def test_a_task_gives_the_sampler_its_environment_only_when_something_answers():
+def test_max_turns_needs_a_task_with_an_environment_and_turns_alone_look_for_no_call():
+    """--max-turns on a task that answers no turn (no respond()) did nothing, silently: refused now. A task with
+    turns and no tools gets no tool_stop, so the sampler decodes nothing to look for a call."""
+    from train import Config, validate
     assert Addition(eval_episodes=2).env is None
-    turns, tools = Addition(eval_episodes=2, max_turns=3), Addition(eval_episodes=2, max_tool_calls=1)
-    assert turns.env is turns and turns.reply("1+1=") is None and turns.respond({}, "12") is None  # no tool, 1 turn
+    with pytest.raises(ValueError, match="^--max-turns 3: --task addition has no environment to answer a turn"):
+        validate(Config(task="addition", model="m", algo="grpo", group_size=2, max_turns=3))
+    validate(Config(task="guess", model="m", algo="grpo", group_size=2, max_turns=3))
+    tools, game = Addition(eval_episodes=2, max_tool_calls=1), Guess(eval_episodes=2, max_turns=3)
     assert tools.env is tools and tools.tool_stop == "=" and tools.max_turns == 1
+    assert game.env is game and game.tool_stop is None
 
 
 def test_the_turn_budget_is_a_setting_trainer_and_workers_share():

@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,26 +86,43 @@ def test_the_training_group_shown_is_one_whose_rewards_differ():
     rows = [Trajectory(states=torch.tensor([15, i]), actions=torch.tensor([15, i]), logp=torch.zeros(2),
                        rewards=torch.tensor([0.0, r]), mask=torch.tensor([0.0, 1])) for i, r in enumerate(
                            [1.0, 1, 0, 1, 1, 0, 0, 0])]
-    batch, policy = Batch.from_rows(rows, 2), types.SimpleNamespace(decode=decode)
+    batch, policy = Batch.from_rows(rows, 2), types.SimpleNamespace(decode=decode, eos=[99])
     adv = torch.arange(8.0)[:, None] * batch.mask                     # any [N, T]: read at the completion
     shown = list(train.group_samples(policy, batch, adv))
     assert [(r["prompt"], r["completion"], r["reward"], r["advantage"]) for r in shown] == [
         ("p", "c", 0.0, 2.0), ("p", "d", 1.0, 3.0)]
     same = Batch.from_rows(rows[:2] + rows[6:], 2)                    # [1, 1], [0, 0]: the first
     assert [r["completion"] for r in train.group_samples(policy, same, adv[:4])] == ["a", "b"]
+    # a teacher's advantage differs per token: a row shows its mean over the completion, not its first token's
+    two = Batch.from_rows([Trajectory(states=torch.tensor([15, i, i]), actions=torch.tensor([15, i, i]),
+                                      logp=torch.zeros(3), rewards=torch.tensor([0.0, 0, r]),
+                                      mask=torch.tensor([0.0, 1, 1])) for i, r in [(2, 1.0), (3, 0.0)]], 2)
+    adv = torch.tensor([[0.0, 1, 3], [0, -2, 0]])
+    assert [r["advantage"] for r in train.group_samples(policy, two, adv)] == [2.0, -1.0]
 
 
 VOCAB = ["", "", ""] + list("0123456789 =,")          # make_tiny_lm's ids: 3 specials (decoded as ''), then chars
 
 
-def test_a_tool_reply_is_marked_in_its_sample():
-    decode = lambda ids: "".join(VOCAB[i] for i in ids)                              # the tiny LM's tokenizer
+def test_a_tool_reply_and_a_user_turn_are_marked_in_their_sample():
+    """The tiny LM's tokenizer, with ',' as its end-of-turn id: an inserted run after a call is a tool reply, one
+    after an end of turn is the user's turn; the episode's turns alternate, the replies inside the assistant's."""
+    decode = lambda ids: "".join(VOCAB[i] for i in ids)
+    policy = SimpleNamespace(decode=decode, eos=[1, VOCAB.index(",")])
     ids = torch.tensor([VOCAB.index(c) for c in "12=144 9=81 1"])
     sampled = torch.tensor([c == "s" for c in "sssrrrsssrrss"])                      # r: a reply's ids
-    record = sample_record(decode, "p", ids, sampled, kind="eval")
+    record = sample_record(policy, "p", ids, sampled, kind="eval")
     assert record == {"prompt": "p", "completion": "12=144 9=81 1", "kind": "eval", "tool_replies": ["144", "81"]}
-    assert sample_record(decode, "p", ids, torch.ones(13, dtype=torch.bool)) == {      # no reply: no key
+    assert sample_record(policy, "p", ids, torch.ones(13, dtype=torch.bool)) == {      # no reply: no key
         "prompt": "p", "completion": "12=144 9=81 1"}
+    pieces = [("5,", "s"), ("9 8", "u"), ("6=", "s"), ("36", "r"), (" 1,", "s"), ("7 ", "u"), ("4", "s")]
+    ids = torch.tensor([VOCAB.index(c) for text, _ in pieces for c in text])        # u: the user's turn
+    sampled = torch.tensor([kind == "s" for text, kind in pieces for _ in text])
+    assert sample_record(policy, "p", ids, sampled) == {
+        "prompt": "p", "completion": "5,9 86=36 1,7 4", "tool_replies": ["36"],
+        "turns": [{"role": "assistant", "text": "5,"}, {"role": "user", "text": "9 8"},
+                  {"role": "assistant", "text": "6=36 1,"}, {"role": "user", "text": "7 "},
+                  {"role": "assistant", "text": "4"}]}
 
 
 # ---- trackers: every CSV row, read back from each library's own files ----
