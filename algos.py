@@ -2,7 +2,8 @@
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
 pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name.
-A teacher's per-token grade, distill(), is added in update(): it reads the log-probs of the update's own forward."""
+A teacher's per-token grade, distill(), is added in update(): it reads the log-probs of the update's own
+forward."""
 import math
 
 import torch
@@ -61,17 +62,19 @@ def rloo(batch, policy):
 
 
 def opd(batch, policy):
-    """On-policy distillation (Agarwal et al. 2024) alone: no reward term. The advantage is the teacher's grade
-    of each token, distill() with weight 1, unclipped, which update() adds from the student's log-probs."""
+    """On-policy distillation (Agarwal et al. 2024) alone: no reward term. The advantage is the teacher's
+    grade of each token, distill() with weight 1, unclipped, which update() adds from the student's
+    log-probs."""
     return torch.zeros_like(batch.mask), None                                # [N, T]
 
 
 def distill(logp_teacher, logp_student, mask, coef=1.0, clip=math.inf):
-    """A frozen teacher grades each token the student sampled: A_t = coef * clip(sg[log pi_teacher(y_t | y_<t)
-    - log pi_student(y_t | y_<t)], -clip, clip), a one-sample reverse KL, negated. Added to a reward estimator's
-    advantage (--distill-coef C), which is about unit size and constant over a row, each token's log-ratio is
-    clipped to [-1, 1] nats first: unclipped, one token the teacher finds unlikely (-15) would outweigh the
-    row's reward at C = 1; clipped, C is the most the teacher moves a token's advantage. [mb, T] each."""
+    """A frozen teacher grades each token the student sampled:
+        A_t = coef * clip(sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)], -clip, clip),
+    a one-sample reverse KL, negated. Added to a reward estimator's advantage (--distill-coef C), which is
+    about unit size and constant over a row, each token's log-ratio is clipped to [-1, 1] nats first:
+    unclipped, one token the teacher finds unlikely (-15) would outweigh the row's reward at C = 1; clipped,
+    C is the most the teacher moves a token's advantage. [mb, T] each."""
     return coef * (logp_teacher - logp_student).clamp(-clip, clip) * mask
 
 

@@ -125,17 +125,7 @@ class HFPolicy(_Text, nn.Module):
         forward_args = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         if grad_ckpt:                           # it checkpoints in training mode only: see logprobs
-            enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
-            enable({"use_reentrant": False})
-            # checkpointed layers drop the KV cache unless told (a replay would store it twice; _prefix_cache
-            # never does, and without it completions lose their prompt); remote-code ones would do so silently
-            from transformers.modeling_layers import GradientCheckpointingLayer
-            layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-            if not layers:
-                raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
-                                 "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
-            for layer in layers:
-                layer._can_checkpoint_with_cache = True
+            _checkpoint_layers(model)
         if lora_r:
             from peft import LoraConfig, get_peft_model
             # fp32 adapters over a bf16 base (PEFT's autocast_adapter_dtype): bf16 rounds AdamW's updates to 0
@@ -274,6 +264,21 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
     # use_cache only with the prefix cache: a model's own would be written twice by a checkpointed replay
     return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                  **{cache_key: cache}).logits                                 # [mb, S, V]
+
+
+def _checkpoint_layers(model):
+    """--grad-ckpt: each layer recomputed in the backward, keeping the KV cache. Checkpointed layers drop it
+    unless told (a replay would store it twice; _prefix_cache never does, and without it completions lose
+    their prompt); remote-code layers would do so silently: refused."""
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError("--grad-ckpt: this model's layers cannot keep a KV cache when checkpointed "
+                         "(they are not transformers' GradientCheckpointingLayer): drop --grad-ckpt")
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
 
 
 def _distinct_left_pad(seqs, pad, device):
@@ -418,7 +423,7 @@ class VLLMGenerator(_Text):
                 raise ValueError(f"--model {name}: head_dim {head_dim}, which vLLM's CPU attention cannot "
                                  f"serve (it has kernels for head_dim {', '.join(map(str, supported))}): use "
                                  "a model with one of those (SmolLM2: 64), a GPU vLLM worker or drop --vllm")
-        self.lora = None                                # the adapter served (load_adapter): none yet, the base
+        self.lora = None                                # the adapter served (load_adapter); none: the base
         self.adapters, self.loads = tempfile.mkdtemp(prefix="nanorl-adapters-"), 0   # this worker's alone
         weakref.finalize(self, shutil.rmtree, self.adapters, ignore_errors=True)
         self.llm = LLM(model=name, dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
@@ -479,7 +484,7 @@ class VLLMGenerator(_Text):
                 if insert is EPISODE_OVER:
                     continue
                 s.turns, s.calls = s.turns + int(not called), s.calls + int(called and len(insert) > 0)
-                s.truncated = True              # unless the next request ends otherwise: a turn that does not fit
+                s.truncated = True              # unless its next request ends otherwise (a turn too long)
                 if len(s.ids) + len(insert) < self.max_new_tokens:
                     s.ids, s.logp = s.ids + insert, s.logp + [0.0] * len(insert)     # inserted: context
                     s.sampled = s.sampled + [False] * len(insert)

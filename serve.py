@@ -75,10 +75,12 @@ def wire_spec(limits, T):
     """{field: (dtype, shape)} of this run's batch of T steps: control rows ([N, T, O] states) bring the
     final_states [N, O] that PPO's critic bootstraps a truncated row from; token rows ([N, T] ids) none."""
     N, O, llm = limits["group_size"] * limits["n_prompts"], limits["obs_dim"], limits["prompt_len"] > 0
-    return {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
+    spec = {"states": (torch.long, (N, T)) if llm else (torch.float32, (N, T, O)),
             "actions": (torch.long, (N, T)), "truncated": (torch.bool, (N,)),
-            **dict.fromkeys(("logp", "rewards", "mask"), (torch.float32, (N, T))),
-            **({} if llm else {"final_states": (torch.float32, (N, O))})}
+            **dict.fromkeys(("logp", "rewards", "mask"), (torch.float32, (N, T)))}
+    if not llm:
+        spec["final_states"] = (torch.float32, (N, O))
+    return spec
 
 
 def batch_from_bytes(data, limits):
@@ -97,15 +99,16 @@ def batch_from_bytes(data, limits):
         raise ValueError(f"tensors {sorted(tensors)} are not this run's {sorted(spec)}: final_states [N, O] "
                          f"comes with [N, T, O] states (control), never with [N, T] token ids")
     for name, (dtype, shape) in spec.items():
-        if tensors[name].dtype != dtype or tensors[name].shape != shape:
-            raise ValueError(f"{name} {tensors[name].dtype} {list(tensors[name].shape)} is not this run's {dtype} "
+        tensor = tensors[name]
+        if tensor.dtype != dtype or tensor.shape != shape:
+            raise ValueError(f"{name} {tensor.dtype} {list(tensor.shape)} is not this run's {dtype} "
                              f"{list(shape)}: this run takes {limits['n_prompts']} prompts x "
                              f"{limits['group_size']} samples")
-        if not torch.isfinite(tensors[name]).all():                     # ids and flags are always finite
+        if not torch.isfinite(tensor).all():                            # ids and flags are always finite
             raise ValueError(f"NaN or inf in {name}")
     if not 0 < T <= prompt_len + max_len:
-        raise ValueError(f"T {T} is not in 1..{prompt_len + max_len}: {prompt_len} prompt + {max_len} completion "
-                         f"tokens" if llm else f"T {T} is not in 1..{max_len}: this task's steps")
+        raise ValueError(f"T {T} is not in 1..{prompt_len + max_len}: {prompt_len} prompt + {max_len} "
+                         f"completion tokens" if llm else f"T {T} is not in 1..{max_len}: this task's steps")
     batch = Batch(**{"final_states": None, **tensors}, group_size=limits["group_size"], version=int(version))
     mask, actions = batch.mask, batch.actions
     start, end = mask.argmax(1), T - mask.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask
@@ -114,7 +117,7 @@ def batch_from_bytes(data, limits):
         (((mask == 0) | (mask == 1)).all(), "mask must be 0 or 1 everywhere"),
         (mask.any(1).all(), "every row's mask needs a 1 (a trained step)"),
         (start.min() >= llm and start.max() <= prompt_len,
-         f"a row's 1s start after its prompt ({int(llm)}..{prompt_len} tokens)" if llm else "a row starts at step 0"),
+         f"a row's 1s start after its prompt (1..{prompt_len} tokens)" if llm else "a row starts at step 0"),
         ((end - start).max() <= max_len, f"a row's 1s span at most {max_len} steps (the completion budget)"),
         (batch.insertions().max() <= holes, f"a row's runs of 0s between 1s are insertions: at most {holes} "
                                             f"(--max-tool-calls + --max-turns - 1)"),
@@ -202,7 +205,7 @@ class WireServer:
             raise ValueError(f"--serve-port {self.port}: cannot listen ({e.strerror}): if the port is taken, "
                              f"pick another, or 0 for any free port") from None
         self.port = self._server.sockets[0].getsockname()[1]
-        # joined by stop(): one still parsing a batch at exit aborted the trainer (SIGABRT, under torchrun)
+        # joined by stop(): a daemon thread still parsing a batch at exit aborts the trainer (SIGABRT)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trainer-server")
         self._thread.start()
         return self
@@ -219,7 +222,7 @@ class WireServer:
                         task.cancel()
                     await asyncio.wait(tasks, timeout=0.1)
                 for _ in range(2):  # then the done callbacks abort the sockets, which close a turn later
-                    await asyncio.sleep(0)  # (a wait timed out on a loop starved of the GIL: 3 of 40 hung)
+                    await asyncio.sleep(0)  # (turns, not a timed wait: on a GIL-starved loop one times out)
                 self._loop.stop()
             asyncio.run_coroutine_threadsafe(close(), self._loop)
             self._thread.join()
@@ -257,9 +260,9 @@ class WireServer:
             writer.write(f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: {kind}\r\n"
                          f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
             await self._send(writer, body)          # not concatenated: weights can be GBs
-            # FIN, then discard what the client still sends for LINGER_S: a close on unread input resets,
-            # which destroyed a 403 to a 4 MB body 20 times in 20. A stranger: STRANGER_LINGER bytes, then
-            # held unread (reset at once, 256 junk streams under the GIL cut CartPole's 16.8 steps/s to 1.4)
+            # FIN, then discard what the client still sends for LINGER_S: a close on unread input resets, and
+            # the client loses the answer. A stranger: STRANGER_LINGER bytes, then held unread (reset at once,
+            # 256 junk streams under the GIL cut CartPole's 16.8 steps/s to 1.4)
             writer.write_eof()
             left = STRANGER_LINGER if writer in self._unknown else math.inf
             until = monotonic() + LINGER_S
@@ -391,7 +394,7 @@ class BatchQueue:
             now = monotonic()
             held = sum(w == worker for _, w, *_ in self._live().values())
             # lease only as far ahead (versions, <= k) as a batch takes to make, less what the trainer's work
-            # after a publish hides: a full queue made batches k stale; async CartPole collapsed 1 run in 2
+            # after a publish hides: a queue kept full makes every batch k stale, and async training collapses
             lead = (self._gen_s - self._post_s) / max(self._step_s, 1e-3)  # versions; none made yet: inf
             ahead = math.ceil(min(self.k, max(lead, 0)))
             if held >= PER_WORKER:
@@ -470,8 +473,8 @@ class TrainerServer(WireServer, BatchQueue):
             return self._blobs[name]
 
     async def _lease(self, query, body):
-        """?wait=S: without room, wait up to S s (timeout / 2 at most); a 429 had the worker sleep a step, and
-        the queue ran dry every 4th. Room opens on the trainer's thread: poll it (and gone) every POLL_S s."""
+        """?wait=S: without room, wait up to S s (timeout / 2 at most): a 429 makes the worker sleep a step,
+        which can run the queue dry. Room opens on the trainer's thread: poll it (and gone) every POLL_S s."""
         worker, wait = query["worker"], query["wait"]
         if not re.fullmatch(r"[A-Za-z0-9]{1,64}", worker):
             raise ValueError(f"POST /lease?worker=ID needs 1-64 letters and digits, got {worker[:80]!r}")

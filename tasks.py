@@ -32,7 +32,7 @@ class CartPole:
         self.eval_episodes = eval_episodes
 
     def sample(self, n, rng):
-        return rng.integers(0, EVAL_SEED0, size=n).tolist()
+        return rng.integers(EVAL_SEED0, size=n).tolist()
 
     def step(self, s, a):
         """Euler step of the Barto-Sutton-Anderson cart-pole. s [N, 4] float64, a [N] -> s' [N, 4]."""
@@ -235,12 +235,12 @@ def load_gsm8k(path, split):
 
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; eos, its end-of-turn ids; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt, prompt-major, each (completion
-    ids [C] with the stop token if it stopped, sampler log-probs [C], sampled [C] bool, truncated) in CPU
-    tensors. env: None, or this task: after tool_stop the sampler inserts reply()'s ids, after the model's
-    end-of-turn token respond()'s (sampled False, log-prob 0: never trained). Procedural tasks define
-    problem(rng), held out iff held_out(its prompt): training draws skip that tenth. rewards[0]: correctness
-    (0/1), what eval_acc and pass@k read."""
+    tokens; eos, its end-of-turn ids; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt,
+    prompt-major, each (completion ids [C] with the stop token if it stopped, sampler log-probs [C], sampled
+    [C] bool, truncated) in CPU tensors. env: None, or this task: after tool_stop the sampler inserts
+    reply()'s ids, after the model's end-of-turn token respond()'s (sampled False, log-prob 0: never trained).
+    Procedural tasks define problem(rng), held out iff held_out(its prompt): training draws skip that tenth.
+    rewards[0]: correctness (0/1), what eval_acc and pass@k read."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
@@ -258,14 +258,14 @@ class LLMTask:
         self.train_set = None                               # data-backed tasks: every training problem
         self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
-        if not max_tool_calls:                              # no calls: the sampler looks for none
-            self.tool_stop = None
         if max_tool_calls:                                  # a wrong signature would turn every reply into an
             try:                                            # error (reward 0, training on): fail here instead
                 inspect.signature(self.tool).bind("12*34")
             except TypeError:
                 raise ValueError(f"{type(self).__name__}.tool{inspect.signature(self.tool)} cannot be called "
                                  f"as tool(text) -> str: make it a plain function of one argument") from None
+        else:                                               # no calls: the sampler looks for none
+            self.tool_stop = None
         self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
         # a completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]
         self.reward_range = -float(overlong_cache > 0), float(sum(w for w, _ in self.rewards))
@@ -352,7 +352,7 @@ class LLMTask:
             records.append(sample_record(policy, p["prompt"], c, sampled, kind="eval",
                                          reward=self.score(p, text, len(c)),
                                          correct=fn(p["prompt"], text, p["answer"]) == 1.0))
-        return float(np.reshape([r["correct"] for r in records], (len(problems), k)).any(1).sum()), records
+        return len({i // k for i, r in enumerate(records) if r["correct"]}), records    # i // k: its problem
 
     def evaluate(self, policy, rank=0, world=1):
         """Greedy accuracy on the held-out problems, each rank scoring its share (hits summed: 8 ranks
@@ -372,11 +372,11 @@ def runs(ids, sampled):
 
 
 def sample_record(policy, prompt, ids, sampled, **fields):
-    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were trained (ids [C]), each
-    tool reply's text in order and, where the environment answered, the episode as role-tagged turns (the runs
-    inserted after an end-of-turn id are the user's, decoded with the template's role names; the rest, tool
-    replies included, the assistant's)."""
-    turns, replies, turn_ended = [[]], [], False    # turns: each one's ids, the assistant's first, alternating
+    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were trained (ids [C]),
+    each tool reply's text in order and, where the environment answered, the episode as role-tagged turns (the
+    runs inserted after an end-of-turn id are the user's, decoded with the template's role names; the rest,
+    tool replies included, the assistant's)."""
+    turns, replies, turn_ended = [[]], [], False  # turns: each one's ids, the assistant's first, alternating
     for own, run in runs(ids, sampled):
         if not own and turn_ended:                  # the environment's next user turn
             turns += [run, []]
@@ -423,7 +423,7 @@ class MaxDigit(LLMTask):
     rewards = [(1.0, maxdigit_reward)]
 
     def problem(self, rng):
-        d = rng.integers(0, 10, size=3).tolist()
+        d = rng.integers(10, size=3).tolist()
         return {"prompt": "".join(map(str, d)) + "=", "answer": str(max(d))}
 
 

@@ -138,18 +138,12 @@ class Config:
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
-    report_to: str = arg("", f"also log every CSV row to these trackers, comma-separated: {', '.join(TRACKERS)} "
-                             f"(pip install each; rank 0 only)")
+    report_to: str = arg("", f"also log every CSV row to these trackers, comma-separated: "
+                             f"{', '.join(TRACKERS)} (pip install each; rank 0 only)")
 
     @property
     def is_llm(self):
         return self.task in TASKS and TASKS[self.task].is_llm
-
-    @property
-    def distill(self):
-        """(coef, clip) of the teacher's per-token term (algos.distill): --algo opd's whole advantage, as it is;
-        --distill-coef C's, clipped to [-1, 1] nats beside a reward estimator's advantage."""
-        return (1.0, math.inf) if self.algo == "opd" else (self.distill_coef, 1.0)
 
 
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
@@ -175,7 +169,7 @@ def train(cfg):
     reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
     log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
              + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
-    teacher = make_teacher(cfg) if cfg.teacher else None   # first: its vocabulary checked before any weights load
+    teacher = make_teacher(cfg) if cfg.teacher else None   # first: checked before any weights load
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
     state = (load_checkpoint(cfg, policy, opt) if cfg.resume       # run_id: the trackers', kept by --resume
@@ -195,7 +189,7 @@ def train(cfg):
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
     log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
-    # its hyper-parameters are the Config fields its parameters after (batch, policy) are named for (grpo: std_norm)
+    # its hyper-parameters: the Config fields its arguments after (batch, policy) are named for (std_norm)
     hyper = {name: getattr(cfg, name) for name in list(inspect.signature(estimator).parameters)[2:]}
     shown = SHOW["llm" if cfg.is_llm else "control"] + (SHOW["async"] if trainer else [])
     t_loop = time.time()
@@ -226,8 +220,8 @@ def train(cfg):
                 # 3. update (a teacher's term joins the advantage there, from the student's own first forward)
                 n_tok = int(all_sum(batch.mask.sum().item()))
                 last.pending = last.state | {"step": step, "env_steps": last.state["env_steps"] + n_tok}
-                stats, adv = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav, teacher_logp,
-                                    stop)
+                stats, adv = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav,
+                                    teacher_logp, stop)
                 # 4. publish (async), log, evaluate, checkpoint
                 if trainer:
                     publish(policy, cfg, step + 1, snapshots, server)
@@ -298,7 +292,6 @@ BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_
 
 def validate(cfg, world=1):
     """Every user error, before any work, naming flag and fix (choices again: Config() skips argparse's)."""
-    llm = cfg.is_llm
     errors = [f"{flag(name)} must be {bound}" for names, ok, bound in BOUNDS for name in names
               if not ok(getattr(cfg, name))]
     errors += [f"{flag(f.name)} {v}: choose from {', '.join(c)}" for f in fields(cfg)
@@ -311,6 +304,32 @@ def validate(cfg, world=1):
         (cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2,
          f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own baseline, so every advantage "
          f"is 0): use --group-size 8, or --algo reinforce"),
+        (set(cfg.report_to.split(",")) - {"", *TRACKERS},
+         f"--report-to {cfg.report_to}: choose from {', '.join(TRACKERS)}, comma-separated"),
+        (cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"),
+         f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: export "
+         f"NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')"),
+        (cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"),
+         "--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port); the trainer "
+         "serves plain HTTP, not https: keep its port inside the cluster's network"),
+        (cfg.dtype == "float16" and cfg.role != "rollout",
+         "--dtype float16 would train without loss scaling (small gradients underflow to 0): use bfloat16, "
+         "or float32; float16 is for --role rollout workers, which compute no gradient"),
+        (cfg.resume and not os.path.isfile(cfg.resume),
+         f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
+        (written and not cfg.resume and cfg.role != "rollout",
+         f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: "
+         + (f"continue that run with --resume {cfg.out}.pt, or " if cfg.out + ".pt" in written else "")
+         + "pick another --out (or none: a fresh name)")]
+    errors += [message for broken, message in rules + llm_rules(cfg) if broken]
+    if errors:
+        raise ValueError("\n".join(errors))
+
+
+def llm_rules(cfg):
+    """validate()'s rules for the LLM settings: models, teachers, tools and turns -> [(broken, message)]."""
+    llm = cfg.is_llm
+    return [
         (cfg.algo in NEEDS_CRITIC and llm,
          f"--algo {cfg.algo} needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
         ((cfg.max_tool_calls or cfg.max_turns > 1) and cfg.algo not in GROUP_ESTIMATORS | {"opd"},
@@ -324,15 +343,14 @@ def validate(cfg, world=1):
         (cfg.distill_coef and not cfg.teacher and cfg.role != "rollout",
          "--distill-coef needs --teacher MODEL, whose grades it adds to --algo's advantage"),
         (cfg.distill_coef and cfg.algo == "opd",
-         "--distill-coef adds a teacher to a reward's advantage, and --algo opd has no reward: drop --distill-coef"),
+         "--distill-coef adds a teacher to a reward's advantage, and --algo opd has no reward: drop "
+         "--distill-coef"),
         (cfg.teacher and cfg.algo != "opd" and not cfg.distill_coef,
          "--teacher is used by --algo opd (the teacher alone) or --distill-coef C > 0 (added to --algo's "
          "advantage): pass one, or drop --teacher"),
         (llm and cfg.max_turns > 1 and TASKS[cfg.task].respond is LLMTask.respond,
-         f"--max-turns {cfg.max_turns}: --task {cfg.task} has no environment to answer a turn (no respond()): "
-         f"drop --max-turns, or use a task with one (--task guess)"),
-        (set(cfg.report_to.split(",")) - {"", *TRACKERS},
-         f"--report-to {cfg.report_to}: choose from {', '.join(TRACKERS)}, comma-separated"),
+         f"--max-turns {cfg.max_turns}: --task {cfg.task} has no environment to answer a turn (no "
+         f"respond()): drop --max-turns, or use a task with one (--task guess)"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -347,26 +365,8 @@ def validate(cfg, world=1):
          "free) or --ref-copy (a frozen copy: twice the weight memory)"),
         (cfg.ref_copy and (cfg.lora or not cfg.kl_coef),
          "--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it"),
-        (cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"),
-         f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: export "
-         f"NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')"),
-        (cfg.role == "rollout" and not cfg.trainer_url.startswith("http://"),
-         "--role rollout needs --trainer-url http://HOST:PORT (the trainer logs its port); the trainer "
-         "serves plain HTTP, not https: keep its port inside the cluster's network"),
         (cfg.vllm and not (cfg.role == "rollout" and cfg.lora),
-         "--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)"),
-        (cfg.dtype == "float16" and cfg.role != "rollout",
-         "--dtype float16 would train without loss scaling (small gradients underflow to 0): use bfloat16, "
-         "or float32; float16 is for --role rollout workers, which compute no gradient"),
-        (cfg.resume and not os.path.isfile(cfg.resume),
-         f"--resume {cfg.resume}: no such file (checkpoints are written to <out>.pt)"),
-        (written and not cfg.resume and cfg.role != "rollout",
-         f"--out {cfg.out}: {' and '.join(written)} exist already, and nothing is overwritten: "
-         + (f"continue that run with --resume {cfg.out}.pt, or " if cfg.out + ".pt" in written else "")
-         + "pick another --out (or none: a fresh name)")]
-    errors += [message for broken, message in rules if broken]
-    if errors:
-        raise ValueError("\n".join(errors))
+         "--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")]
 
 
 def free_name(cfg):
@@ -419,17 +419,18 @@ def nanorl_processes():
 
 
 class StopRun(Exception):
-    """Every rank agreed to stop (a Ctrl-C or SIGTERM on any of them): the last finished step is saved, exit 130."""
+    """Every rank agreed to stop (Ctrl-C or SIGTERM on any rank): the last finished step saved, exit 130."""
 
 
 class StopRequests:
-    """Ctrl-C or SIGTERM (kill, sky cancel, a spot notice, torchrun forwarding either) saves the last finished step
-    within seconds, however long a step or a micro-batch is: the signal wakes a thread that saves it (rank 0's
-    LastStep.save), through signal.set_wakeup_fd, whose byte is written even while the main thread is inside one
-    long forward, where no Python signal handler runs. torchrun SIGKILLs its ranks --shutdown-timeout s after
-    the signal (torch 2.11: always 30 s); by then the step is on disk. The main thread stops at its next check,
-    in step with every rank (agree()): a generation at once (at_once), an update before its next epoch-0
-    micro-batch, a step before its update. Another signal over 2 s later quits at once (sooner: forwarded)."""
+    """Ctrl-C or SIGTERM (kill, sky cancel, a spot notice, torchrun forwarding either) saves the last finished
+    step within seconds, however long a step or a micro-batch is: the signal wakes a thread that saves it
+    (rank 0's LastStep.save), through signal.set_wakeup_fd, whose byte is written even while the main thread
+    is inside one long forward, where no Python signal handler runs. torchrun SIGKILLs its ranks
+    --shutdown-timeout s after the signal (torch 2.11: always 30 s); by then the step is on disk. The main
+    thread stops at its next check, in step with every rank (agree()): a generation at once (at_once), an
+    update before its next epoch-0 micro-batch, a step before its update. Another signal over 2 s later quits
+    at once (sooner: forwarded)."""
 
     def __init__(self, last=None):
         self.last = last                                # the LastStep a stop saves (rank 0's), or None
@@ -490,13 +491,14 @@ class StopRequests:
 
 
 class LastStep:
-    """The last finished step as a checkpoint holds it (trainable weights, optimizer state, state: its number),
-    kept whole for save(), which may run on any thread at any moment (a stop's saver). The weights and the
-    optimizer change only in optimizer_step(), under the lock, and the step's number changes with its last
-    optimizer step. Where they are another step's for longer, a copy of the last finished step's stands in:
-    with --inner-epochs E > 1, from a step's first optimizer step to its last, a host copy taken before the
-    first (rank 0; LoRA: megabytes, full fine-tuning: 3x the weights in host memory); while an async trainer
-    scores under an older snapshot (swapped()). So a stop saves the step before, never a half-applied one."""
+    """The last finished step as a checkpoint holds it (trainable weights, optimizer state, state: its
+    number), kept whole for save(), which may run on any thread at any moment (a stop's saver). The weights
+    and the optimizer change only in optimizer_step(), under the lock, and the step's number changes with its
+    last optimizer step. Where they are another step's for longer, a copy of the last finished step's stands
+    in: with --inner-epochs E > 1, from a step's first optimizer step to its last, a host copy taken before
+    the first (rank 0; LoRA: megabytes, full fine-tuning: 3x the weights in host memory); while an async
+    trainer scores under an older snapshot (swapped()). So a stop saves the step before, never a half-applied
+    one."""
 
     def __init__(self, cfg, policy, opt, state, saving):
         self.cfg, self.policy, self.opt, self.saving = cfg, policy, opt, saving   # saving: this rank writes
@@ -534,7 +536,7 @@ class LastStep:
             weights, optimizer = self.stand_in or (trainable(self.policy), self.opt.state_dict())
             path = self.cfg.out + ".pt"                 # its folder exists: rank 0's Logger.open_csv made it
             torch.save({"format": "nanorl-1", "config": asdict(self.cfg), "optimizer": optimizer,
-                        "policy": {name: w.detach().cpu() for name, w in weights.items()},   # not a frozen base
+                        "policy": {name: w.detach().cpu() for name, w in weights.items()},   # trainable only
                         **self.state, "finished": finished}, path + ".tmp")
             os.replace(path + ".tmp", path)
             self.saved = (self.state["step"], finished)
@@ -543,7 +545,7 @@ class LastStep:
 
 
 def host_copy(x):
-    """A copy of nested tuples, dicts and lists of tensors (an optimizer's state_dict), its tensors in host memory."""
+    """Nested tuples, dicts, lists of tensors (an optimizer's state_dict) copied, tensors to the host."""
     if isinstance(x, (tuple, list)):
         return type(x)(host_copy(v) for v in x)
     if isinstance(x, dict):
@@ -566,9 +568,9 @@ def group_samples(policy, batch, adv):
         trained = batch.mask[i].nonzero()[:, 0]          # the completion's sampled positions
         start, end = int(trained[0]), int(trained[-1]) + 1
         advantage = adv[i, trained].mean().item()      # per-token (a teacher's) or one per row (a reward's)
-        yield sample_record(policy, policy.decode(batch.states[i, :start].tolist()), batch.states[i, start:end],
-                            batch.mask[i, start:end] > 0, kind="train", reward=batch.rewards[i].sum().item(),
-                            advantage=advantage)
+        prompt = policy.decode(batch.states[i, :start].tolist())
+        yield sample_record(policy, prompt, batch.states[i, start:end], batch.mask[i, start:end] > 0,
+                            kind="train", reward=batch.rewards[i].sum().item(), advantage=advantage)
 
 
 def make_task(cfg):
@@ -586,14 +588,19 @@ def make_policy(cfg, task):
                              gpu_memory_utilization=cfg.vllm_mem, **sampling)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
-    t0, say = time.time(), Logger(enabled=os.environ.get("RANK", "0") == "0").info   # once, not once per rank
-    say(f"loading {cfg.model} ...")
+    t0 = time.time()
     policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
                       lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
                       ref_copy=cfg.ref_copy, **sampling, device=local_device(True))   # a GPU per rank, or CPU
+    return report_loaded(policy, cfg.model, t0)
+
+
+def report_loaded(policy, name, t0):
+    """Say (rank 0: once, not once per rank) that `name` has loaded, where, in how long, and its size."""
     n, n_train = (sum(p.numel() for p in ps) for ps in (policy.parameters(), trainable(policy).values()))
-    say(f"loaded {cfg.model} on {policy.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M parameters, "
-        f"{n_train / 1e6:.1f}M trained")
+    Logger(enabled=os.environ.get("RANK", "0") == "0").info(
+        f"loaded {name} on {policy.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M parameters, "
+        f"{n_train / 1e6:.1f}M trained, {policy.dtype}".replace("torch.", ""))
     return policy
 
 
@@ -628,18 +635,15 @@ def make_teacher(cfg):
     vocab, student_vocab = (AutoTokenizer.from_pretrained(m).get_vocab() for m in (cfg.teacher, cfg.model))
     if vocab != student_vocab:
         raise ValueError(f"--teacher {cfg.teacher} has another vocabulary ({len(vocab)} tokens) than --model "
-                         f"{cfg.model} ({len(student_vocab)}): use one with its tokenizer (same model family)")
+                         f"{cfg.model} ({len(student_vocab)}): use one with its tokenizer (same family)")
     rows, ids = (AutoConfig.from_pretrained(m).get_text_config().vocab_size for m in (cfg.teacher, cfg.model))
     if rows < ids:
-        raise ValueError(f"--teacher {cfg.teacher} has logits for {rows} token ids, fewer than the {ids} --model "
-                         f"{cfg.model} can emit: use a teacher with the student's vocabulary size (same family)")
-    t0, say = time.time(), Logger(enabled=os.environ.get("RANK", "0") == "0").info
+        raise ValueError(f"--teacher {cfg.teacher} has logits for {rows} token ids, fewer than the {ids} "
+                         f"--model {cfg.model} can emit: use a teacher of the student's vocabulary size")
+    t0 = time.time()
     teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, frozen=True,
                        device=local_device(True))
-    n = sum(p.numel() for p in teacher.parameters())
-    say(f"loaded teacher {cfg.teacher} on {teacher.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M "
-        f"parameters, {cfg.dtype}, frozen")
-    return teacher
+    return report_loaded(teacher, f"teacher {cfg.teacher}", t0)
 
 
 def make_optimizer(cfg, policy):
@@ -860,6 +864,8 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
     logp_prox = []                                      # per micro-batch
     logp_behav = logp_behav or logp_prox
     advs = [adv[s] for s in mbs]                        # per micro-batch; a teacher's term joins in epoch 0
+    # algos.distill's weight and clip: --algo opd's whole advantage, as it is; C x, clipped, beside a reward's
+    coef, clip = (1.0, math.inf) if cfg.algo == "opd" else (cfg.distill_coef, 1.0)
     ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
     skipped, teacher_kl = 0, 0.0
     for epoch in range(cfg.inner_epochs):
@@ -873,7 +879,7 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
             if epoch == 0:
                 logp_prox.append(logp.detach())
                 if teacher_logp:
-                    advs[i] = advs[i] + distill(teacher_logp[i], logp_prox[i], m, *cfg.distill)
+                    advs[i] = advs[i] + distill(teacher_logp[i], logp_prox[i], m, coef, clip)
                     teacher_kl += masked_sum(logp_prox[i] - teacher_logp[i], m).item()
             a = advs[i] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
@@ -896,23 +902,31 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
             sums["loss"] += loss.item()
             for k, x in per_tok.items():
                 sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
-        all_reduce_grads(policy.parameters())           # those with a gradient: frozen ones have none
-        norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
-                 for name, ps in policy.param_groups().items()}
-        finite = all(torch.isfinite(n) for n in norms.values())    # never write NaN/inf into the weights
-        stop.last.optimizer_step(epoch, cfg.inner_epochs, finite)
-        if not finite:
+        norms = clip_and_step(policy, cfg, stop.last, epoch)
+        if not all(torch.isfinite(n) for n in norms.values()):
             skipped += 1
-            print(f"skipped update (epoch {epoch}): non-finite gradient norm "
-                  f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr)   # stderr: line-buffered
-    if teacher_logp:                                    # mean log pi_student - log pi_teacher per trained token
+    if teacher_logp:                                    # log pi_student - log pi_teacher per trained token
         sums["teacher_kl"] = teacher_kl
-    totals = all_sum(torch.tensor(list(sums.values()), dtype=torch.float64))   # every rank's: one all-reduce
+    totals = all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device="cpu"))  # one all-reduce
     stats = {name: total.item() for name, total in zip(sums, totals)}
     if teacher_logp:
         stats["teacher_kl"] /= n_tok
     stats |= {"grad_norm": norms["actor"].item(), "skipped": skipped}
     return stats, torch.cat(advs)
+
+
+def clip_and_step(policy, cfg, last, epoch):
+    """Sum the gradients over ranks, clip each group's norm, take this epoch's optimizer step unless a norm is
+    NaN or inf (never written into the weights) -> the norms."""
+    all_reduce_grads(policy.parameters())               # those with a gradient: frozen ones have none
+    norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
+             for name, ps in policy.param_groups().items()}
+    finite = all(torch.isfinite(n) for n in norms.values())
+    last.optimizer_step(epoch, cfg.inner_epochs, finite)
+    if not finite:
+        print(f"skipped update (epoch {epoch}): non-finite gradient norm "
+              f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr)   # stderr: line-buffered
+    return norms
 
 
 # what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
@@ -959,8 +973,8 @@ def load_checkpoint(cfg, policy, opt):
 
 
 def export(args):
-    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, --teacher, vLLM), LoRA merged into
-    the base, in the run's --dtype. DIR must be new or empty: never the run's --model or --teacher folder."""
+    """--export RUN.pt DIR: an LLM run as a Hugging Face folder (for --model, --teacher, vLLM), LoRA merged
+    into the base, in the run's --dtype. DIR must be new or empty: so never the run's --model or --teacher."""
     if len(args) != 2:
         raise ValueError("--export needs a checkpoint and a folder: python train.py --export RUN.pt DIR")
     path, out = args
@@ -968,13 +982,10 @@ def export(args):
     cfg = Config(**ck["config"] | {"ref_copy": False})  # the trained model alone: no copy for a reference
     if not cfg.is_llm:
         raise ValueError(f"--export {path}: a --task {cfg.task} run trained an MLP: only LLM runs export")
-    for name, folder in (("--model", cfg.model), ("--teacher", cfg.teacher)):
-        if folder and os.path.exists(out) and os.path.exists(folder) and os.path.samefile(out, folder):
-            raise ValueError(f"--export {path} {out}: that is the run's {name} folder, whose weights it would "
-                             f"replace (a --resume would then add the training twice): export to a new folder")
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):   # e.g. the run's own --model
         raise ValueError(f"--export {path} {out}: {out} exists and is not an empty folder, and nothing is "
-                         f"overwritten: export to a new folder, or delete it first")
+                         f"overwritten (the run's --model or --teacher folder: a --resume would put the "
+                         f"adapter on merged weights): export to a new folder, or delete it first")
     policy = make_policy(cfg, None)
     set_weights(policy, ck["policy"])               # every trained weight, by name
     model = policy.model.merge_and_unload() if cfg.lora else policy.model   # merged in place, not copied
@@ -987,8 +998,9 @@ def export(args):
 
 def parse_config(argv):
     """Defaults, then a checkpoint's settings (--resume), then a YAML preset (--config), then argv's flags."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="python train.py --export RUN.pt DIR "
-                                "writes an LLM run as a Hugging Face folder (LoRA merged, in the run's --dtype)")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                epilog="python train.py --export RUN.pt DIR writes an LLM run as a Hugging "
+                                       "Face folder (LoRA merged, in the run's --dtype)")
 
     def fail(message):                                  # one line naming the fix, not a 25-line usage dump
         raise ValueError(f"{message} (python train.py --help lists every flag)")

@@ -123,7 +123,7 @@ def all_sum(x):
     """Sum of a tensor (or float) over ranks; identity in one process."""
     if not is_distributed():
         return x
-    t = x.clone() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64)
+    t = x.clone() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64, device="cpu")   # gloo's
     dist.all_reduce(t)
     return t if torch.is_tensor(x) else t.item()
 
@@ -132,7 +132,7 @@ def all_reduce_grads(params):
     """SUM gradients over ranks: each rank's loss already divides by the global denominator."""
     if is_distributed():
         grads = [p.grad for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat)
         for g, new in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(new.view_as(g))
@@ -233,6 +233,9 @@ def open_tracker(name, out, run_id, config, resume_step):
                 writer.add_scalar(k, v, step)
         return log, writer.close
     lib = importlib.import_module(name)         # trackio has wandb's API: one code path for both
-    run = lib.init(project="nanorl", name=os.path.basename(out), config=config,
-                   resume="allow" if resume_step else "never", **({"id": run_id} if name == "wandb" else {}))
+    init = dict(project="nanorl", name=os.path.basename(out), config=config,
+                resume="allow" if resume_step else "never")
+    if name == "wandb":                         # wandb resumes its run by id (trackio by name)
+        init["id"] = run_id
+    run = lib.init(**init)
     return lambda row, step: run.log(row, step=step), run.finish

@@ -589,7 +589,10 @@ def test_torchrun_trainer_ranks_each_take_a_batch_and_fail_together(tmp_path):
 def accepted_shape_batch(limits: dict, version: int, seed: int) -> Batch:
     """A control batch of random values anywhere the trainer's checks accept (its /info limits): any padded T,
     row lengths and truncation, observations and log-probs of any finite scale, rewards spread with signs over
-    the masked steps, totalling within range (or, by rounding, just outside); now and then no final_states."""
+    the masked steps, totalling within range (or, by rounding, just outside); now and then no final_states.
+    An LLM run's limits (prompt_len > 0): accepted_token_batch."""
+    if limits["prompt_len"]:
+        return accepted_token_batch(limits, version, seed)
     g = torch.Generator().manual_seed(seed)
     pick = lambda options: options[int(torch.randint(len(options), (), generator=g))]
     G, P, L, A, O = (limits[k] for k in ("group_size", "n_prompts", "max_len", "n_actions", "obs_dim"))
@@ -605,6 +608,25 @@ def accepted_shape_batch(limits: dict, version: int, seed: int) -> Batch:
                  truncated=torch.rand(N, generator=g) > 0.5,
                  final_states=pick([None, torch.randn(N, O, generator=g) * pick(scales)]), group_size=G,
                  version=version)
+
+
+def accepted_token_batch(limits: dict, version: int, seed: int) -> Batch:
+    """An LLM batch of random values anywhere the checks accept: prompts of 1..prompt_len ids and completions of
+    1..max_len, any ids (padding too), log-probs of any finite scale, the reward on each row's last completion
+    token, anywhere in range (or, by rounding, just outside), truncated or not."""
+    g = torch.Generator().manual_seed(seed)
+    N, L, A, (lo, hi) = limits["group_size"] * limits["n_prompts"], limits["max_len"], limits["n_actions"], \
+        limits["reward"]
+    prompt = torch.randint(1, limits["prompt_len"] + 1, (N,), generator=g)              # [N]
+    end = prompt + torch.randint(1, L + 1, (N,), generator=g)                          # [N] past the completion
+    T = int(end.max())
+    pos = torch.arange(T)
+    mask = ((pos >= prompt[:, None]) & (pos < end[:, None])).float()                   # [N, T]
+    rewards = (pos == end[:, None] - 1) * (lo + (hi - lo) * torch.rand(N, 1, generator=g))
+    ids = torch.randint(A, (N, T), generator=g)
+    return Batch(states=ids, actions=ids.clone(), logp=-torch.rand(N, T, generator=g) * mask * [1e-30, 1, 1e30][seed % 3],
+                 rewards=rewards, mask=mask, truncated=torch.rand(N, generator=g) > 0.5, final_states=None,
+                 group_size=limits["group_size"], version=version)
 
 
 def fuzz_until_done(port: int, trainer, first_seed: int) -> list:
@@ -636,15 +658,18 @@ def fuzz_until_done(port: int, trainer, first_seed: int) -> list:
 
 
 @pytest.mark.slow
-def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_path):
+def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_path, tiny_lm):
     """A live CartPole trainer per algorithm gets batches of random values anywhere the checks accept, some
     without final_states (PPO's critic bootstraps from them): each is refused with a 400 or trained on, and
-    every trainer ends its steps with exit 0. Whatever the checks let in, the estimator and update can use."""
-    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"]
+    every trainer ends its steps with exit 0. Whatever the checks let in, the estimator and update can use.
+    opd (LLM only): a tiny-LM trainer with the tiny LM as its teacher, given random token batches."""
+    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo", "opd"]
     ports = [free_port() for _ in algos]
+    llm = ["--task", "maxdigit", "--model", tiny_lm, "--teacher", tiny_lm, "--max-new-tokens", 4]
     trainers = [start("--role", "trainer", "--serve-port", port, "--out", tmp_path / algo, "--algo", algo,
                       "--steps", 6, "--n-prompts", 2, "--group-size", 2, "--eval-every", 0, "--solve-at", 0,
-                      log=tmp_path / f"{algo}.log") for algo, port in zip(algos, ports)]   # start up together
+                      *(llm if algo == "opd" else []), log=tmp_path / f"{algo}.log")
+                for algo, port in zip(algos, ports)]                                  # start up together
     statuses = []
     try:
         for i, (algo, port, trainer) in enumerate(zip(algos, ports, trainers)):
@@ -656,18 +681,21 @@ def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept(tmp_pat
         for trainer in trainers:
             trainer.kill()
     print(f"\n{statuses.count(200)} batches queued, {statuses.count(400)} refused")
-    assert set(statuses) == {200, 400} and statuses.count(200) >= 5 * 6, statuses
+    assert set(statuses) == {200, 400} and statuses.count(200) >= 6 * 6, statuses
 
 
-def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept_in_one_process(tmp_path, monkeypatch):
-    """test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept with its five trainers in threads
+def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept_in_one_process(tmp_path, monkeypatch,
+                                                                                       tiny_lm):
+    """test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept with its six trainers in threads
     of this process: the same train(), server and checks, and the same fuzz."""
     monkeypatch.setenv("NANORL_TOKEN", TOKEN)
-    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo"]
+    algos = ["reinforce", "reinforce_baseline", "ppo", "grpo", "rloo", "opd"]
     ports = [free_port() for _ in algos]
+    llm = dict(task="maxdigit", model=tiny_lm, teacher=tiny_lm, max_new_tokens=4)
     trainers = [InThread(train, Config(role="trainer", serve_port=port, out=str(tmp_path / algo), algo=algo,
                                        steps=6, n_prompts=2, group_size=2, eval_every=0, solve_at=0,
-                                       lease_timeout=2)) for algo, port in zip(algos, ports)]
+                                       lease_timeout=2, **(llm if algo == "opd" else {})))
+                for algo, port in zip(algos, ports)]
     statuses = []
     for i, (algo, port, trainer) in enumerate(zip(algos, ports, trainers)):
         wait_for_port(port)
@@ -675,7 +703,7 @@ def test_every_estimator_trains_on_or_refuses_whatever_the_checks_accept_in_one_
         trainer.join(60)
         assert not trainer.is_alive() and trainer.error is None, (algo, trainer.error)
         assert rows(tmp_path / f"{algo}.csv")[-1]["step"] == "6"
-    assert set(statuses) == {200, 400} and statuses.count(200) >= 5 * 6, statuses
+    assert set(statuses) == {200, 400} and statuses.count(200) >= 6 * 6, statuses
 
 
 def flood(port: int, per_s: int, seconds: float, threads: int = 1, hold: float = 1.0) -> float:

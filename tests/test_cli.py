@@ -39,6 +39,9 @@ def test_help_prints_usage_and_creates_nothing(script, tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("usage:") and "Traceback" not in p.stderr
     assert os.listdir(tmp_path) == []                                  # model.py --help once made a folder '--help'
+    if script == TRAIN:                                                # the one command that is not a flag
+        assert "python train.py --export RUN.pt DIR writes an LLM run as a Hugging Face folder" in " ".join(
+            p.stdout.split())
 
 
 def test_a_run_says_what_it_trains_and_where_its_files_go(tmp_path):

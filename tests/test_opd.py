@@ -65,13 +65,12 @@ def test_the_teachers_term_by_hand_unclipped_alone_clipped_beside_a_reward():
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1.0]])
     teacher = torch.tensor([[-9.0, -1.0, -16.0, -9.0], [-9.0, -9.0, -2.0, -0.25]])
     student = torch.tensor([[-7.0, -1.5, -1.0, -3.0], [-1.0, -1.0, -1.0, -1.0]])
-    assert distill(teacher, student, mask, *Config(algo="opd").distill).tolist() == [
-        [0.0, 0.5, -15.0, 0.0], [0.0, 0.0, -1.0, 0.75]]
+    assert distill(teacher, student, mask).tolist() == [[0.0, 0.5, -15.0, 0.0], [0.0, 0.0, -1.0, 0.75]]
     rewards = torch.tensor([[0.0, 0, 1, 0], [0, 0, 0, 0]])
     ids = torch.zeros(2, 4, dtype=torch.long)
     batch = Batch(states=ids, actions=ids, logp=None, rewards=rewards, mask=mask, truncated=None,
                   final_states=None, group_size=2)
-    adv = grpo(batch, None, std_norm=False)[0] + distill(teacher, student, mask, *Config(distill_coef=0.5).distill)
+    adv = grpo(batch, None, std_norm=False)[0] + distill(teacher, student, mask, coef=0.5, clip=1.0)
     assert adv.tolist() == [[0.0, 0.75, 0.0, 0.0], [0.0, 0.0, -1.0, -0.125]]
     logp = student.clone().requires_grad_()
     loss, ratio = policy_loss(logp, logp.detach(), adv, mask, 0.2, 0.2, "token", 4.0)
@@ -248,14 +247,14 @@ def test_export_never_overwrites_and_writes_the_runs_dtype(lms, tmp_path):
     before = {f: os.path.getmtime(base / f) for f in os.listdir(base)}
     train.train(cfg_for(lms, model=str(base), lora=True, lora_r=4, dtype="bfloat16", n_prompts=2, max_new_tokens=2,
                         steps=1, eval_every=0, solve_at=0.0, out=out))
-    with pytest.raises(ValueError, match="that is the run's --model folder, whose weights it would replace"):
-        export([out + ".pt", str(base)])
-    with pytest.raises(ValueError, match="that is the run's --teacher folder"):
-        export([out + ".pt", lms[1]])
+    for folder in (str(base), lms[1]):                                      # its --model, its --teacher
+        with pytest.raises(ValueError, match=f"{folder} exists and is not an empty folder, and nothing is "
+                                             f"overwritten .*: export to a new folder"):
+            export([out + ".pt", folder])
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="notes exists and is not an empty folder, and nothing is overwritten"):
-        export([out + ".pt", str(tmp_path / "notes")])
+        export([out + ".pt", str(tmp_path / "notes")])                      # a folder with files
     assert {f: os.path.getmtime(base / f) for f in os.listdir(base)} == before
     export([out + ".pt", str(tmp_path / "hf")])
     from safetensors import safe_open

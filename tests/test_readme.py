@@ -71,10 +71,8 @@ def test_every_command_parses_and_validates(cmd, monkeypatch, tmp_path):
     train.validate(cfg, world)
 
 
-def test_commands_cover_every_rung_and_the_launch_files_exist():
-    cmds = " ".join(commands())
-    for config in os.listdir(os.path.join(ROOT, "configs")):
-        assert f"configs/{config}" in README, f"README never shows configs/{config}"
+def test_commands_cover_the_rungs_and_the_launch_files_exist():
+    cmds = " ".join(commands())         # that every shipped config is shown: house.py's (a fork adds its own)
     assert "torchrun --nproc_per_node=8 train.py" in cmds or "countdown_qwen3_8b_lora" in README
     for path in set(re.findall(r"skypilot/[\w.]+\.yaml", README)):
         assert os.path.isfile(os.path.join(ROOT, path)), path

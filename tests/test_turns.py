@@ -4,6 +4,8 @@ with a scripted environment; the text the verifiers read; the turns column."""
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from core import Batch  # noqa: E402
@@ -81,6 +83,79 @@ def test_greedy_plays_the_same_turns_and_a_turn_that_does_not_fit_ends_the_episo
     assert c.tolist() == first and sampled.all() and truncated
 
 
+class OneDevice(TorchFunctionMode):
+    """Fails an op whose tensor arguments (0-dim ones aside, as CUDA allows) live on different devices, as CUDA
+    does: torch.isin(a CUDA batch, a CPU tensor) raised after a --max-turns run's first update."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t) and t.dim()}
+        assert len(devices) <= 1, f"{getattr(func, '__name__', func)} mixes {devices}"
+        return func(*args, **kwargs)
+
+
+def test_every_tensor_a_turn_step_makes_follows_the_policys_device(tiny):  # noqa: F811
+    """No GPU here: the policy and its batch live on the CPU while torch's default device is 'meta', so a tensor
+    built without device= (torch.tensor(eos) in Batch.turns was one) lands on another device than the batch,
+    which OneDevice refuses. The whole step: sampling with turns, the log-probs, the logged statistics (turns,
+    insertions, dead groups), the advantage and the update with its teacher term. Audited the same way by
+    reading: every torch.tensor / arange / zeros in model.py, core.py, algos.py and train.update."""
+    from algos import grpo
+    from train import Config, batch_stats, update
+    from utils import Adam
+    pol = turn_policy(tiny, max_new_tokens=12)
+    problems = [{"id": i, "turns": 2, "say": "7 7"} for i in range(2)]
+    prompts = [pol.encode(p) for p in ("1=", "3 8 1=")]
+    torch.manual_seed(0)
+    cfg = Config(task="guess", model=tiny, algo="grpo", group_size=2, max_turns=2, teacher=tiny, distill_coef=0.5)
+    with torch.device("meta"), OneDevice():
+        samples = pol.act(prompts, 2, env=ScriptedEnv(max_turns=2), problems=problems)
+    batch = as_batch(prompts, samples, 2)
+    assert batch.turns(pol.eos).max() == 2, "no turn happened: pick other prompts"
+    with torch.device("meta"), OneDevice():
+        stats = batch_stats(batch, cfg, pol)
+        adv = grpo(batch, pol, std_norm=True)[0]
+        update(pol, Adam(list(pol.param_groups().values()), lr=1e-3), batch, adv, None, cfg, 12, None,
+               [pol.logprobs(batch)[0].detach()])
+    assert stats["turns"] > 1
+
+
+def test_a_turn_ended_by_another_eos_id_gets_the_templates_own_end_first(tiny):  # noqa: F811
+    """Qwen lists two EOS ids; its template ends an assistant turn with <|im_end|>. After a turn the model ended
+    with the template's own id, the inserted ids are the user turn and the assistant header; after one ended
+    with the other id, the template's end id comes first, as the template renders a finished turn. Here the
+    tiny LM with a template that ends turns with <|endoftext|> (id 1), and '2' as its second EOS id."""
+    pol = turn_policy(tiny, max_new_tokens=24)
+    pol.tok.chat_template = ("{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}<|endoftext|>{% endfor %}"
+                             "{% if add_generation_prompt %}a{% endif %}")
+    two = pol.tok.convert_tokens_to_ids("2")
+    after_own = pol.turn_ids("7 7", 1)
+    assert pol.turn_ids("7 7", two) == [1] + after_own and pol.decode(after_own) == pol.decode(
+        pol.tok.encode("u7 7<|endoftext|>a", add_special_tokens=False))
+    env, problems = ScriptedEnv(max_turns=2), [{"id": i, "turns": 2, "say": "7 7"} for i in range(8)]
+    torch.manual_seed(0)
+    rows = pol.act([pol.encode("3 8 1=")] * 8, 1, env=env, problems=problems)
+    ends = [(c.tolist(), i) for c, _, sampled, _ in rows for i, own in enumerate(sampled.tolist())
+            if own and c[i] in pol.eos and i + 1 < len(c) and not sampled[i + 1]]
+    assert {c[i] for c, i in ends} == {1, two}, "both ids should end a turn somewhere: pick another seed"
+    for c, i in ends:
+        inserted = after_own if c[i] == 1 else [1] + after_own
+        assert c[i + 1:i + 1 + len(inserted)] == inserted
+
+
+def test_turns_without_tools_decode_text_only_where_a_turn_ended(tiny):  # noqa: F811
+    """--max-turns without --max-tool-calls: the sampler looks for no call, so it decodes a row's text only where
+    a turn ended (for the environment), not after every token (it did: the task's tool_stop '=' was set anyway)."""
+    pol = turn_policy(tiny, max_new_tokens=24)
+    game, decoded, decode = Guess(eval_episodes=2, max_turns=3), [], pol.decode
+    pol.decode = lambda ids: decoded.append(len(ids)) or decode(ids)
+    problems = game.sample(4, np.random.default_rng(0))
+    torch.manual_seed(0)
+    rows = pol.act([pol.encode(p["prompt"]) for p in problems], 2, env=game, problems=problems)
+    turn_ends = sum(int((torch.isin(c, torch.tensor(pol.eos)) & own).sum()) for c, _, own, _ in rows)
+    assert 0 < len(decoded) <= turn_ends < sum(len(c) for c, *_ in rows) / 2
+
+
 def test_turns_by_hand():
     """turns = end-of-turn ids trained + 1 if cut mid-turn; insertions = runs of 0s between 1s (eos id 9)."""
     mask = torch.tensor([[0, 1, 1, 0, 0, 0.0],     # 1 turn, ended:            [_, 5, 9]
@@ -136,11 +211,23 @@ def test_max_turns_needs_a_task_with_an_environment_and_turns_alone_look_for_no_
 
 
 def test_the_turn_budget_is_a_setting_trainer_and_workers_share():
-    """A worker of another --max-turns is refused (serve.TrainerClient.check compares the fingerprints), and the
-    trainer's gate takes --max-tool-calls + --max-turns - 1 holes a row (tests/test_serve.py sends them)."""
+    """A worker of another --max-turns is refused: a trainer on loopback serves --max-turns 3's fingerprint, and
+    the worker's check (serve.TrainerClient.check, over HTTP) of --max-turns 2 raises naming the setting, of 3
+    passes. The trainer's gate takes --max-tool-calls + --max-turns - 1 holes a row (test_serve sends them)."""
+    from serve import TrainerClient, TrainerServer
     from tasks import CartPole
+    from test_serve import LLM_LIMITS
     from train import Config, batch_limits, fingerprint
-    assert fingerprint(Config(max_turns=3), 2)["max_turns"] == 3 != fingerprint(Config(), 2)["max_turns"]
+    trainer = Config(task="guess", max_turns=3)
+    server = TrainerServer("t", fingerprint(trainer, 2), 2, host="127.0.0.1", port=0, limits=LLM_LIMITS).start()
+    try:
+        server.publish(1, {"w": torch.zeros(3)})
+        client = TrainerClient(f"http://127.0.0.1:{server.port}", "t", patience=1)
+        client.check(fingerprint(trainer, 2), {"w": [[3], "float32"]})
+        with pytest.raises(ValueError, match="differ, refusing to run: setting 'max_turns': trainer 3, worker 2$"):
+            client.check(fingerprint(Config(task="guess", max_turns=2), 2), {"w": [[3], "float32"]})
+    finally:
+        server.stop()
     assert batch_limits(Config(max_turns=3, max_tool_calls=2), CartPole(), None, 2)["insertions"] == 4
 
 
