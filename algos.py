@@ -69,12 +69,10 @@ def opd(batch, policy):
 
 
 def distill(logp_teacher, logp_student, mask, coef=1.0, clip=math.inf):
-    """A frozen teacher grades each token the student sampled:
-        A_t = coef * clip(sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)], -clip, clip),
-    a one-sample reverse KL, negated. Added to a reward estimator's advantage (--distill-coef C), which is
-    about unit size and constant over a row, each token's log-ratio is clipped to [-1, 1] nats first:
-    unclipped, one token the teacher finds unlikely (-15) would outweigh the row's reward at C = 1; clipped,
-    C is the most the teacher moves a token's advantage. [mb, T] each."""
+    """A frozen teacher grades each sampled token, a one-sample reverse KL, negated: [mb, T] each ->
+        A_t = coef * clip(sg[log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)], -clip, clip).
+    Beside a reward estimator's ~unit advantage, constant over a row (--distill-coef C), clip = 1 nat: else
+    one token the teacher finds unlikely (-15) outweighs the row's reward at C = 1; so C bounds its say."""
     return coef * (logp_teacher - logp_student).clamp(-clip, clip) * mask
 
 

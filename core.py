@@ -90,5 +90,4 @@ class Batch:
         """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if cut mid-turn."""
         is_eos = torch.isin(self.states, torch.tensor(eos, device=self.states.device))  # [N, T]
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        cut = ~is_eos.gather(1, last[:, None])[:, 0]                                  # [N] ended mid-turn
-        return (is_eos * self.mask).sum(1) + cut.float()                              # [N] float
+        return (is_eos * self.mask).sum(1) + (~is_eos.gather(1, last[:, None])[:, 0]).float()

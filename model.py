@@ -267,9 +267,8 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
 
 
 def _checkpoint_layers(model):
-    """--grad-ckpt: each layer recomputed in the backward, keeping the KV cache. Checkpointed layers drop it
-    unless told (a replay would store it twice; _prefix_cache never does, and without it completions lose
-    their prompt); remote-code layers would do so silently: refused."""
+    """--grad-ckpt: each layer recomputed in the backward, told to keep the KV cache (else it drops it, and
+    completions lose their prompt; _prefix_cache is never stored twice); remote-code layers can't: refused."""
     enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
     enable({"use_reentrant": False})
     from transformers.modeling_layers import GradientCheckpointingLayer

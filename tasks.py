@@ -372,10 +372,9 @@ def runs(ids, sampled):
 
 
 def sample_record(policy, prompt, ids, sampled, **fields):
-    """A completion as <out>.samples.jsonl shows it: the text of the very ids that were trained (ids [C]),
-    each tool reply's text in order and, where the environment answered, the episode as role-tagged turns (the
-    runs inserted after an end-of-turn id are the user's, decoded with the template's role names; the rest,
-    tool replies included, the assistant's)."""
+    """A completion as <out>.samples.jsonl shows it: the text of the very ids trained (ids [C]), each tool
+    reply's text and, if the environment answered, role-tagged turns (a run inserted after an end-of-turn id
+    is the user's, with the template's role names; the rest, tool replies included, the assistant's)."""
     turns, replies, turn_ended = [[]], [], False  # turns: each one's ids, the assistant's first, alternating
     for own, run in runs(ids, sampled):
         if not own and turn_ended:                  # the environment's next user turn

@@ -5,7 +5,6 @@
     python train.py                                        # CartPole, REINFORCE, 1 CPU, seconds
     python train.py --config configs/cartpole_ppo.yaml     # PPO (GAE + critic)
     python model.py runs/tiny-lm && python train.py --config configs/tiny_maxdigit.yaml  # tiny LLM, CPU
-    export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300   # torchrun: 300 s, not 30, for a stopped rank to save
     torchrun --nproc_per_node=2 train.py --algo grpo --group-size 4   # 2 data-parallel ranks
     torchrun --nproc_per_node=8 train.py --config configs/countdown_qwen3_8b_lora.yaml   # 8 GPUs
 
@@ -268,8 +267,7 @@ def train(cfg):
     return row
 
 
-# what the step line on stdout shows of the row (the CSV has every column): a control task's or an LLM's,
-# and an async trainer's besides
+# what the step line shows of the row (the CSV has it all): a control task's or an LLM's; an async trainer's
 SHOW = {"control": ["reward", "eval_return", "loss"],
         "llm": ["reward", "eval_acc", "pass_at_k", "completion_len", "tool_frac", "turns", "entropy", "kl",
                 "teacher_kl", "teacher_s"],
@@ -423,19 +421,15 @@ class StopRun(Exception):
 
 
 class StopRequests:
-    """Ctrl-C or SIGTERM (kill, sky cancel, a spot notice, torchrun forwarding either) saves the last finished
-    step within seconds, however long a step or a micro-batch is: the signal wakes a thread that saves it
-    (rank 0's LastStep.save), through signal.set_wakeup_fd, whose byte is written even while the main thread
-    is inside one long forward, where no Python signal handler runs. torchrun SIGKILLs its ranks
-    --shutdown-timeout s after the signal (torch 2.11: always 30 s); by then the step is on disk. The main
-    thread stops at its next check, in step with every rank (agree()): a generation at once (at_once), an
-    update before its next epoch-0 micro-batch, a step before its update. Another signal over 2 s later quits
-    at once (sooner: forwarded)."""
+    """Ctrl-C or SIGTERM (kill, sky cancel, via torchrun) saves the last finished step within seconds: a
+    thread woken by set_wakeup_fd saves it (last.save) even while the main thread is inside one long forward,
+    where no Python handler runs (torchrun SIGKILLs it --shutdown-timeout s later; torch 2.11: 30). The main
+    thread stops at its next check, every rank together (agree()): a generation at once (at_once), an update
+    before its next epoch-0 micro-batch. Another signal over 2 s later quits at once (sooner: forwarded)."""
 
     def __init__(self, last=None):
         self.last = last                                # the LastStep a stop saves (rank 0's), or None
-        self.asked = 0.0                                # time.monotonic() of the first signal; 0: none yet
-        self.generating = False                         # inside at_once(): a stop raises StopRun at once
+        self.asked, self.generating = 0.0, False        # time.monotonic() of the first signal; in at_once()
         self.old_handlers, self.wake = {}, None
 
     def __call__(self, signum, frame):                  # the signal handler, on the main thread
@@ -476,8 +470,8 @@ class StopRequests:
             self.old_handlers = {sig: signal.signal(sig, self) for sig in (signal.SIGINT, signal.SIGTERM)}
             listen, self.wake = socket.socketpair()
             self.wake.setblocking(False)                # as set_wakeup_fd requires
-            self.old_wake_fd = signal.set_wakeup_fd(self.wake.fileno(), warn_on_full_buffer=False)
-            self.saver = threading.Thread(target=self._saver, args=(listen,), daemon=True, name="stop-saver")
+            self.old_wake_fd = signal.set_wakeup_fd(self.wake.fileno())
+            self.saver = threading.Thread(target=self._saver, args=(listen,), daemon=True)
             self.saver.start()
         return self
 
@@ -491,14 +485,10 @@ class StopRequests:
 
 
 class LastStep:
-    """The last finished step as a checkpoint holds it (trainable weights, optimizer state, state: its
-    number), kept whole for save(), which may run on any thread at any moment (a stop's saver). The weights
-    and the optimizer change only in optimizer_step(), under the lock, and the step's number changes with its
-    last optimizer step. Where they are another step's for longer, a copy of the last finished step's stands
-    in: with --inner-epochs E > 1, from a step's first optimizer step to its last, a host copy taken before
-    the first (rank 0; LoRA: megabytes, full fine-tuning: 3x the weights in host memory); while an async
-    trainer scores under an older snapshot (swapped()). So a stop saves the step before, never a half-applied
-    one."""
+    """The last finished step, kept whole for save() from any thread at any moment: weights and optimizer
+    change under the lock (optimizer_step(); the step's number with its last), or while a copy stands in:
+    from a step's first optimizer step to its last if --inner-epochs > 1 (a host copy: LoRA, megabytes; full
+    fine-tuning, 3x the weights), while an async trainer scores under an old snapshot (swapped())."""
 
     def __init__(self, cfg, policy, opt, state, saving):
         self.cfg, self.policy, self.opt, self.saving = cfg, policy, opt, saving   # saving: this rank writes
@@ -506,8 +496,7 @@ class LastStep:
         self.lock, self.stand_in, self.saved = threading.Lock(), None, None
 
     def optimizer_step(self, epoch, epochs, finite):
-        """opt.step() as epoch `epoch` of `epochs` (not if its gradient was non-finite); the last makes the
-        pending state the last finished step."""
+        """opt.step() (if finite) as epoch `epoch` of `epochs`; the last makes `pending` the last finished."""
         with self.lock:
             if epoch == 0 and epochs > 1 and self.saving:
                 self.stand_in = host_copy((trainable(self.policy), self.opt.state_dict()))
@@ -528,8 +517,7 @@ class LastStep:
                 self.stand_in = None
 
     def save(self, finished="", say=False):
-        """Write <out>.pt (atomic: a temp file, then a rename), unless it holds this step already; say: print
-        that it did (under the lock: before any later message about it)."""
+        """Write <out>.pt (a temp file, renamed) unless it holds this step; say: print so, under the lock."""
         with self.lock:
             if self.saved == (self.state["step"], finished):
                 return
@@ -626,9 +614,8 @@ def find_model(name, what="--model"):
 
 
 def make_teacher(cfg):
-    """--teacher: a frozen HFPolicy (no grad, no optimizer state, eval mode, loaded in --dtype) scored as the
-    policy is, on the student's ids: its tokenizer must be the student's and its logits cover every id the
-    student can emit, checked before any weights load."""
+    """--teacher: a frozen HFPolicy in --dtype scored as the policy is, on the student's ids: so its tokenizer
+    must be the student's, its logits cover every id the student can emit, checked before any weights load."""
     from transformers import AutoConfig, AutoTokenizer
     find_model(cfg.model)
     find_model(cfg.teacher, "--teacher")
@@ -819,11 +806,10 @@ def batch_stats(batch, cfg, policy):
     """The rollout, over all ranks: mean reward, lengths, truncation, dead groups, tool calls, turns."""
     per_row = {"reward": batch.grouped_rewards(), "completion_len": batch.mask.sum(1),   # [n_prompts, G], [N]
                "truncated_frac": batch.truncated}
-    turns = batch.turns(policy.eos) if cfg.max_turns > 1 else 1                      # [N]
     if cfg.max_turns > 1:
-        per_row["turns"] = turns
+        per_row["turns"] = batch.turns(policy.eos)                                   # [N]
     if cfg.max_tool_calls:      # the insertions less the user turn after each turn but the last: replies [N]
-        replies = batch.insertions() - (turns - 1)
+        replies = batch.insertions() - (per_row.get("turns", 1) - 1)
         per_row |= {"tool_calls": replies, "tool_frac": replies > 0}
     dead = batch.equal_groups().sum().item() if batch.group_size > 1 else 0   # groups with no reward signal
     n = all_sum(len(batch))
@@ -850,24 +836,20 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
     the sampler's (batch.logp: logp_gap, --tis-cap); logp_behav, the trainer's under the weights that sampled
     the batch (async: a snapshot; sync, None: these); logp_prox, these before the update. Per token:
         loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
-        A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C].
-    min(1, .) is IMPALA's truncation, not decoupled PPO's untruncated weight: conservative, tokens more likely
-    now than when sampled weigh less. Centring the clip on pi_behav cut ~70% of async CartPole's gradient.
-    teacher_logp ([mb, T] each, --teacher): A += algos.distill(teacher, pi_prox), pi_prox from epoch 0's own
-    forward, not from one more (not batch.logp: a worker's, untrusted, and off by kernels; not pi_behav: the
-    gradient is the current student's KL). -> (stats, the advantage trained on [N, T])"""
+        A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C],
+    A including a teacher's algos.distill(teacher_logp, pi_prox), pi_prox being epoch 0's own forward.
+    min(1, .): IMPALA's truncation, conservative (decoupled PPO's weight is untruncated); centring the clip on
+    pi_behav instead cut ~70% of async CartPole's gradient. -> (stats, the advantage trained on [N, T])"""
     stop = stop or StopRequests(LastStep(cfg, policy, opt, {}, saving=False))   # no signals, nothing saved
     mbs = batch.micro_batches(cfg.micro_batch)
     clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
-    logp_prox = []                                      # per micro-batch
+    logp_prox, skipped = [], 0                          # per micro-batch; epochs not stepped (NaN or inf)
     logp_behav = logp_behav or logp_prox
     advs = [adv[s] for s in mbs]                        # per micro-batch; a teacher's term joins in epoch 0
-    # algos.distill's weight and clip: --algo opd's whole advantage, as it is; C x, clipped, beside a reward's
-    coef, clip = (1.0, math.inf) if cfg.algo == "opd" else (cfg.distill_coef, 1.0)
+    coef, clip = (1.0, math.inf) if cfg.algo == "opd" else (cfg.distill_coef, 1.0)   # algos.distill's
     ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
-    skipped, teacher_kl = 0, 0.0
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
@@ -880,7 +862,6 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
                 logp_prox.append(logp.detach())
                 if teacher_logp:
                     advs[i] = advs[i] + distill(teacher_logp[i], logp_prox[i], m, coef, clip)
-                    teacher_kl += masked_sum(logp_prox[i] - teacher_logp[i], m).item()
             a = advs[i] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
                 a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
@@ -889,6 +870,8 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
             gap = mb.logp - logp_behav[i]               # sampler's minus ours: 0 with the same kernels
             per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + clip_high),
                        "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
+            if teacher_logp:                            # log pi_student - log pi_teacher, the weights before
+                per_tok["teacher_kl"] = logp_prox[i] - teacher_logp[i]
             if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp
                 per_tok["kl"] = torch.exp(d) - d - 1
@@ -903,21 +886,15 @@ def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teach
             for k, x in per_tok.items():
                 sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
         norms = clip_and_step(policy, cfg, stop.last, epoch)
-        if not all(torch.isfinite(n) for n in norms.values()):
-            skipped += 1
-    if teacher_logp:                                    # log pi_student - log pi_teacher per trained token
-        sums["teacher_kl"] = teacher_kl
+        skipped += int(not all(torch.isfinite(n) for n in norms.values()))
     totals = all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device="cpu"))  # one all-reduce
     stats = {name: total.item() for name, total in zip(sums, totals)}
-    if teacher_logp:
-        stats["teacher_kl"] /= n_tok
     stats |= {"grad_norm": norms["actor"].item(), "skipped": skipped}
     return stats, torch.cat(advs)
 
 
 def clip_and_step(policy, cfg, last, epoch):
-    """Sum the gradients over ranks, clip each group's norm, take this epoch's optimizer step unless a norm is
-    NaN or inf (never written into the weights) -> the norms."""
+    """Sum the gradients over ranks, clip each group's norm, step unless one is NaN or inf -> the norms."""
     all_reduce_grads(policy.parameters())               # those with a gradient: frozen ones have none
     norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
              for name, ps in policy.param_groups().items()}

@@ -233,9 +233,7 @@ def open_tracker(name, out, run_id, config, resume_step):
                 writer.add_scalar(k, v, step)
         return log, writer.close
     lib = importlib.import_module(name)         # trackio has wandb's API: one code path for both
-    init = dict(project="nanorl", name=os.path.basename(out), config=config,
-                resume="allow" if resume_step else "never")
-    if name == "wandb":                         # wandb resumes its run by id (trackio by name)
-        init["id"] = run_id
-    run = lib.init(**init)
+    by_id = {"id": run_id} if name == "wandb" else {}  # wandb resumes its run by id, trackio by name
+    run = lib.init(project="nanorl", name=os.path.basename(out), config=config,
+                   resume="allow" if resume_step else "never", **by_id)
     return lambda row, step: run.log(row, step=step), run.finish
