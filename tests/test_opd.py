@@ -137,11 +137,13 @@ def test_a_step_forwards_the_student_once_and_adds_c_times_the_clipped_teacher_t
     monkeypatch.setattr(HFPolicy, "logprobs", counted)
     monkeypatch.setattr(train, "update", update_seen)
     out = str(tmp_path / "grpo_teacher")
-    train.train(cfg_for(lms, algo="grpo", distill_coef=0.5, group_size=4, n_prompts=2, max_new_tokens=3, steps=1,
-                        micro_batch=4, eval_every=0, solve_at=0.0, out=out))
+    teacher_path = sharp(lms[1], str(tmp_path / "sharp"))                  # log-ratios past the clip's 1 nat
+    train.train(cfg_for(lms, teacher=teacher_path, algo="grpo", distill_coef=0.5, group_size=4, n_prompts=2,
+                        max_new_tokens=3, steps=1, micro_batch=4, eval_every=0, solve_at=0.0, out=out))
     batch, teacher = seen["batch"], torch.cat(seen["teacher"])
-    assert calls.count(lms[0]) == 2 and calls.count(lms[1]) == 2             # 8 rows in micro-batches of 4
+    assert calls.count(lms[0]) == 2 and calls.count(teacher_path) == 2        # 8 rows in micro-batches of 4
     student = torch.cat(seen["student"])
+    assert ((teacher - student).abs() * batch.mask).max() > 1                  # the clip is at work
     expected = grpo(batch, None, std_norm=True)[0] + 0.5 * (teacher - student).clamp(-1, 1) * batch.mask
     assert torch.equal(seen["adv"], expected) and not torch.equal(seen["adv"], grpo(batch, None, True)[0])
     row = list(csv.DictReader(open(out + ".csv")))[-1]
