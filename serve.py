@@ -326,7 +326,7 @@ class BatchQueue:
         self.version, self._taken = 0, 0            # the current version; batches taken at it
         self._step_s, self._published = 1.0, 0.0    # s per version (lead time; the 429's hint); last publish
         self._gen_s = math.inf                      # s from lease to batch, averaged: how far ahead to lease
-        self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish (evaluating); when
+        self._post_s, self._asked = 0.0, 0          # s the trainer works after a publish; version it asked at
         self.k, self.bps = max_staleness, batches_per_step
         self.capacity = (max_staleness + 1) * batches_per_step
         self.lease_timeout, self.lease_life = lease_timeout, lease_life

@@ -123,7 +123,7 @@ def all_sum(x):
     """Sum of a tensor (or float) over ranks; identity in one process."""
     if not is_distributed():
         return x
-    t = x.clone() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64, device="cpu")   # gloo's
+    t = x.clone() if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64, device="cpu")   # for gloo
     dist.all_reduce(t)
     return t if torch.is_tensor(x) else t.item()
 
