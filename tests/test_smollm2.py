@@ -222,5 +222,5 @@ def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_
     message = task.respond(task.eval_set[row], pol.decode(ids[:k]))
     turn = f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"      # SmolLM2's template
     assert ids[k - 1] == IM_END and sampled[k - 1] and sampled[k + n:].all()
-    assert ids[k:k + n] == pol.tok(turn, add_special_tokens=False)["input_ids"] == pol.turn_ids(message)
+    assert ids[k:k + n] == pol.tok(turn, add_special_tokens=False)["input_ids"] == pol.turn_ids(message, IM_END)
     assert (pol.logprobs(b)[0] - b.logp).abs().max() < 1e-4

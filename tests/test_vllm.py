@@ -257,11 +257,11 @@ def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
     turns = [len([t for t, own in zip(c.tolist(), s.tolist()) if own and t in hf.eos]) for c, _, s, _ in theirs]
     print(f"3 turns: {turns.count(3)}/{len(ids)} greedy episodes; turns {turns}")
     assert equal >= len(ids) - 1 and turns.count(3) >= len(ids) // 2
-    message = hf.turn_ids(task.respond(None, ""))
     for c, lp, sampled, _ in theirs:
         assert (lp[~sampled] == 0).all() and (lp[sampled] < 0).all()
         for k in (~sampled).int().diff(prepend=torch.zeros(1, dtype=torch.int)).eq(1).nonzero()[:, 0].tolist():
-            assert c[k - 1].item() in hf.eos and c[k:k + len(message)].tolist() == message   # after its end
+            message = hf.turn_ids(task.respond(None, ""), c[k - 1].item())    # after the id that ended it
+            assert c[k - 1].item() in hf.eos and c[k:k + len(message)].tolist() == message
 
 
 def test_sampled_logprobs_follow_every_adapter_version(engine, hf):
