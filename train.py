@@ -586,16 +586,16 @@ def make_policy(cfg, task):
 def report_loaded(policy, name, t0):
     """Say (rank 0: once, not once per rank) that `name` has loaded, where, in how long, and its size."""
     n, n_train = (sum(p.numel() for p in ps) for ps in (policy.parameters(), trainable(policy).values()))
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in policy.parameters()})
     Logger(enabled=os.environ.get("RANK", "0") == "0").info(
-        f"loaded {name} on {policy.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M parameters, "
-        f"{n_train / 1e6:.1f}M trained, {policy.dtype}".replace("torch.", ""))
+        f"loaded {name} on {policy.device} in {time.time() - t0:.1f} s: {n / 1e6:.1f}M parameters "
+        f"({', '.join(dtypes)}), {n_train / 1e6:.1f}M trained")
     return policy
 
 
 def find_model(name, what="--model"):
     """--model is a local folder or a hub id (owner/name). Offline, transformers retries the hub for ~50 s
     and then never says a folder was looked for: check both here, in seconds, and say which failed."""
-    import socket
     from urllib.parse import urlsplit
     hub_id = name.count("/") == 1
     if os.path.isdir(os.path.expanduser(name)) or hub_id and os.environ.get("HF_HUB_OFFLINE") == "1":
