@@ -2,8 +2,7 @@
 
 Every estimator is `(batch, policy, **hyper-parameters) -> (adv [N, T], critic_target [N, T] | None)`,
 pure (writes nothing onto the batch), zero where batch.mask is zero; hyper-parameters bind by Config name.
-A teacher's per-token grade, distill(), is added in update(): it reads the log-probs of the update's own
-forward."""
+A teacher's per-token grade, distill(), is added in update(), from the log-probs of its own forward."""
 import math
 
 import torch
@@ -63,8 +62,7 @@ def rloo(batch, policy):
 
 def opd(batch, policy):
     """On-policy distillation (Agarwal et al. 2024) alone: no reward term. The advantage is the teacher's
-    grade of each token, distill() with weight 1, unclipped, which update() adds from the student's
-    log-probs."""
+    grade of each token, distill() with weight 1, unclipped, added in update()."""
     return torch.zeros_like(batch.mask), None                                # [N, T]
 
 

@@ -80,8 +80,7 @@ class _Text:
     def turn_ids(self, message, turn_end):
         """The ids after the model's end-of-turn id turn_end: the chat template's next user turn and assistant
         header, cut from a chat after a marked assistant turn, whose own end id comes first unless the model
-        ended with that one (Qwen lists two EOS ids; the template writes <|im_end|>). No template: the
-        message's own ids."""
+        ended with that one (Qwen lists two EOS ids; the template writes <|im_end|>). No template: its ids."""
         if not self.tok.chat_template:
             return self.tok.encode(message, add_special_tokens=False)
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
@@ -156,24 +155,27 @@ class HFPolicy(_Text, nn.Module):
 
     def _generate(self, rows, greedy, env):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
-        is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s).
-        rows: (prompt ids, problem). Inserted ids (a tool's reply after a call, the next user turn after an
-        end-of-turn token, which stays sampled) are fed one per step in place of a sample (rows in lockstep,
-        the cache valid), as their own ids: re-encoding the text can merge tokens across the seam."""
+        is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s); an
+        ended row leaves the batch with its cache rows. rows: (prompt ids, problem). Inserted ids (a tool's
+        reply, the next user turn after an end-of-turn token, which stays sampled) are fed one per step in
+        place of a sample, as their own ids: re-encoding the text can merge tokens."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
         end = torch.zeros_like(inv)         # [B] lengths: steps to its last sampled id (its stop token kept)
         cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
         # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
         completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
-        turns = [1] * len(rows)
+        turns, cut = [1] * len(rows), set()     # cut: rows whose next insertion left no room (truncated)
+        going = torch.arange(len(rows), device=self.device)      # [A] the rows still going, of the B
         while len(steps) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
                              logits_to_keep=1, **{self.cache_key: cache})
-            cache, logits = out[self.cache_key], out.logits[:, -1]                # [B, V] ([U, V] at first)
+            cache, logits = out[self.cache_key], out.logits[:, -1]                # [A, V] ([U, V] at first)
             if not steps:                       # the prefill: [U, ...] gathered to the rows, [B, ...]
                 cache.batch_select_indices(inv)             # [U, H, P, D] -> [B, H, P, D] per layer
                 logits, attn, pos = logits[inv], attn[inv], pos[inv, -1:]         # [B, V], [B, P], [B, 1]
+            # [A, V] -> [B, V], an ended row's 0 (whatever is drawn from it, as before, is never kept)
+            logits = logits.new_zeros(len(rows), logits.shape[1]).index_copy(0, going, logits)
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
             feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
@@ -195,19 +197,19 @@ class HFPolicy(_Text, nn.Module):
                     new = self.insertion(env, rows[b][1], completion, turns[b])
                     if new is EPISODE_OVER:
                         stop[b] = True
+                    elif len(completion) + len(new) >= self.max_new_tokens:   # no room to sample after
+                        stop[b] = True                          # it (vLLM's rule): feeding it changes nothing
+                        cut.add(b)
                     else:                               # a reply or a user turn: fed from the next step on
                         stop[b], inserts[b], turns[b] = False, new, turns[b] + int(ended)
                     since[b] = len(completion) + len(inserts[b])
             done |= stop
-            ids, pos, attn = nxt[:, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # +1 column
-        toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
-        bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
-        if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
-            raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
-                             f"token), computing in {self.dtype}: float16 overflows, so use --dtype bfloat16 "
-                             f"or float32; if it persists, the weights hold NaN or inf")
-        return [(toks[b, :n].clone(), logps[b, :n].clone(), own[b, :n], not stopped)
-                for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
+            ids, pos, attn = nxt[going, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # [A, 1] ...
+            if stop.any():                              # ended rows leave, their cache rows with them
+                keep = (~done[going]).nonzero()[:, 0]                                     # [A'] of the A
+                going, ids, pos, attn = going[keep], ids[keep], pos[keep], attn[keep]
+                cache.batch_select_indices(keep)
+        return _samples(steps, end, done, cut, self.dtype)
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
@@ -225,14 +227,12 @@ class HFPolicy(_Text, nn.Module):
         C = ids.shape[1] - mask.flip(1).argmax(1) - P                              # [mb] completion lengths
         model.train(torch.is_grad_enabled())
         try:
-            with self.autocast():           # logits [mb, S, V]: the memory peak
+            with self.autocast():           # logits [c, V] per row: the memory peak
                 logits = _shared_prefix_logits(model, ids, P, C, self.pad, self.cache_key)
         finally:
             model.eval()
         logp, ent = torch.zeros_like(mask), torch.zeros_like(mask)
-        # unbind, not logits[i], whose backward zero-fills a [mb, S, V] per row; one row's fp32 at a time
-        for i, (row, p, c) in enumerate(zip(logits.unbind(0), P.tolist(), C.tolist())):
-            row = row[:c]                                                                  # [c, V]
+        for i, (row, p, c) in enumerate(zip(logits, P.tolist(), C.tolist())):   # one row's fp32 at a time
             logp[i, p:p + c] = checkpoint(_row_logprobs, row, ids[i, p:p + c], self.temperature,
                                           use_reentrant=False)          # recomputed in backward
             if entropy:                 # no grad unless entropy_grad (the bonus): no graph to recompute
@@ -244,26 +244,58 @@ class HFPolicy(_Text, nn.Module):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
 
 
+def _samples(steps, end, done, cut, dtype):
+    """_generate's steps, (ids, sampler log-probs, sampled) [B] each, -> per row (completion ids, log-probs,
+    sampled, truncated), cut at its last sampled id (end [B]); truncated: not stopped (done [B]), or cut."""
+    toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
+    bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
+    if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
+        raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "
+                         f"token), computing in {dtype}: float16 overflows, so use --dtype bfloat16 "
+                         f"or float32; if it persists, the weights hold NaN or inf")
+    return [(toks[b, :n].clone(), logps[b, :n].clone(), own[b, :n], not stopped or b in cut)
+            for b, (n, stopped) in enumerate(zip(end.tolist(), done.tolist()))]
+
+
 def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
     """ids [mb, T] (prompt + completion, right-padded), P [mb] prompt and C [mb] completion lengths -> logits
-    [mb, S, V], S = max(C), logits[i, j] predicting row i's completion token j. Each distinct prefix (prompt
-    but last token) is forwarded once, with grad; each row's rest runs on its prefix's KV cache gathered to
-    it, whose backward sums the rows' gradients into the prefix (tested: = per-row forwards, to rounding)."""
+    [C[i], V] per row i, its j-th predicting its completion token j. Each distinct prefix (prompt but last
+    token) is forwarded once, with grad; the rows' rests run in buckets of like length (_buckets: >= 90% of
+    the positions computed are trained, not max(C) for every row) on their prefix's KV cache, gathered to
+    them: its backward sums the rows' gradients into the prefix (tested: = per-row forwards, to rounding)."""
     prefixes = [r[:p - 1] for r, p in zip(ids.tolist(), P.tolist())]
     pre, pre_attn, pre_pos, inv = _distinct_left_pad(prefixes, pad, ids.device)     # [U, L] each, inv [mb]
-    T, S = ids.shape[1], int(C.max())
-    j = torch.arange(S, device=ids.device)
-    at = P[:, None] - 1 + j                                                    # [mb, S] positions
-    suffix = ids.gather(1, at.clamp(max=T - 1))     # [mb, S] last prompt token + completion (last: a target)
-    attn, cache = (j < C[:, None]).long(), None                                # [mb, S] right padding
-    if pre.shape[1]:                            # L = 0: every prompt is one token, no prefix
-        cache = _prefix_cache()()
+    prefix = _prefix_cache()() if pre.shape[1] else None     # L = 0: every prompt is one token, no prefix
+    if prefix is not None:
         model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
-              logits_to_keep=1, **{cache_key: cache})
-        cache, attn = cache.expand(inv), torch.cat([pre_attn[inv], attn], 1)  # attn [mb, L + S]
-    # use_cache only with the prefix cache: a model's own would be written twice by a checkpointed replay
-    return model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
-                 **{cache_key: cache}).logits                                 # [mb, S, V]
+              logits_to_keep=1, **{cache_key: prefix})
+    logits = [None] * len(ids)
+    for bucket in _buckets(C.tolist()):
+        rows = torch.tensor(bucket, device=ids.device)                        # [b]
+        j = torch.arange(int(C[rows].max()), device=ids.device)               # [S], S: the bucket's longest
+        at = P[rows, None] - 1 + j                                             # [b, S] positions
+        suffix = ids[rows].gather(1, at.clamp(max=ids.shape[1] - 1))  # [b, S] last prompt token + completion
+        attn, cache = (j < C[rows, None]).long(), None                         # [b, S] right padding
+        if prefix is not None:
+            cache, attn = prefix.expand(inv[rows]), torch.cat([pre_attn[inv[rows]], attn], 1)   # [b, L + S]
+        # use_cache only with the prefix cache: a model's own would be written twice by a checkpointed replay
+        out = model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
+                    **{cache_key: cache}).logits                               # [b, S, V]
+        for i, row in zip(bucket, out.unbind(0)):     # not out[k]: its backward zero-fills a [b, S, V]
+            logits[i] = row[:C[i]]                                             # [C[i], V]
+    return logits
+
+
+def _buckets(lengths):
+    """Row indices longest first, in groups >= 90% real when padded to their longest row: [[i, ...], ...]."""
+    groups = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if not groups or real + lengths[i] < 0.9 * lengths[groups[-1][0]] * (len(groups[-1]) + 1):
+            groups.append([])                   # row i would leave the last group under 90% real: a new one
+            real = 0                            # the last group's real positions
+        groups[-1].append(i)
+        real += lengths[i]
+    return groups
 
 
 def _checkpoint_layers(model):

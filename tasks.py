@@ -181,8 +181,7 @@ def maxdigit_reward(prompt, completion, answer):
 
 
 def overlong_penalty(n_tokens, max_new_tokens, cache):
-    """DAPO's soft overlong punishment: 0 up to max_new_tokens - cache tokens, then linear down to
-    -1 at max_new_tokens. cache == 0 turns it off."""
+    """DAPO's soft overlong penalty: 0 up to max_new_tokens - cache, then linear to -1 at max_new_tokens."""
     return max(-1.0, min(0.0, (max_new_tokens - cache - n_tokens) / cache)) if cache > 0 else 0.0
 
 
@@ -244,6 +243,7 @@ class LLMTask:
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
+    train_set = None                            # data-backed tasks: every training problem
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
@@ -255,7 +255,6 @@ class LLMTask:
                  max_tool_calls=0, max_turns=1):
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
         self.pass_k, self.max_tool_calls, self.max_turns = pass_k, max_tool_calls, max_turns
-        self.train_set = None                               # data-backed tasks: every training problem
         self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
         if max_tool_calls:                                  # a wrong signature would turn every reply into an

@@ -27,7 +27,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
-import secrets  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
@@ -55,7 +54,6 @@ def arg(default, help, choices=None):   # metadata: the flag's add_argument keyw
     return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices, **kw})
 
 
-TRACKERS = ("wandb", "trackio", "tensorboard")     # --report-to's choices
 
 
 @dataclass
@@ -97,6 +95,8 @@ class Config:
                                 "no loss scaling)", ["float32", "bfloat16", "float16"])
     grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
     ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: a frozen copy as reference (2x memory)")
+    every_row: bool = arg(False, "compute every row in the update, also those with advantage 0 on every "
+                                 "token, which add 0 to the gradient (benchmarks: equal work)")
     max_new_tokens: int = arg(256, "completion budget in tokens")
     temperature: float = arg(1.0, "sampling temperature; the loss models softmax(logits / temperature)")
     gen_batch: int = arg(64, "sequences per generation call (KV-cache bound)")
@@ -137,8 +137,6 @@ class Config:
     ckpt_every: int = arg(0, "also checkpoint every N steps (0: at the end and on Ctrl-C only)")
     config: str = arg("", "YAML preset whose keys are Config fields; flags override it")
     resume: str = arg("", "continue <out>.pt with its settings (--steps may grow) in the same <out>.csv")
-    report_to: str = arg("", f"also log every CSV row to these trackers, comma-separated: "
-                             f"{', '.join(TRACKERS)} (pip install each; rank 0 only)")
 
     @property
     def is_llm(self):
@@ -147,10 +145,12 @@ class Config:
 
 QUEUE_COLUMNS = ["received", "used", "dropped_stale", "dropped_no_snapshot", "evicted", "refused",
                  "wrong_run", "leases_expired"]   # the trainer server's counters, logged as they are
-COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", "loss", "pg_loss", "vf_loss", "ratio",
-           "clip_frac", "kl", "teacher_kl", "teacher_s", "entropy", "grad_norm", "skipped", "logp_gap",
-           "gap_out_frac", "zero_std_frac", "completion_len", "truncated_frac", "tool_calls", "tool_frac",
-           "turns", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps", "staleness", *QUEUE_COLUMNS]
+UPDATE_COLUMNS = ["loss", "pg_loss", "vf_loss", "ratio", "clip_frac", "kl", "teacher_kl", "entropy",
+                  "logp_gap", "gap_out_frac"]     # update()'s sums over micro-batches and ranks
+COLUMNS = ["step", "reward", "eval_return", "eval_acc", "pass_at_k", *UPDATE_COLUMNS, "teacher_s",
+           "grad_norm", "skipped", "rows_trained", "zero_std_frac", "completion_len", "truncated_frac",
+           "tool_calls", "tool_frac", "turns", "gen_s", "train_s", "step_s", "tokens_per_s", "env_steps",
+           "staleness", *QUEUE_COLUMNS]
 
 
 def train(cfg):
@@ -171,8 +171,7 @@ def train(cfg):
     teacher = make_teacher(cfg) if cfg.teacher else None   # first: checked before any weights load
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
-    state = (load_checkpoint(cfg, policy, opt) if cfg.resume       # run_id: the trackers', kept by --resume
-             else {"step": 0, "env_steps": 0, "run_id": secrets.token_hex(8)})
+    state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
     last = LastStep(cfg, policy, opt, state, saving=rank == 0)    # what a stop or a checkpoint saves
     first = state["step"] + 1
     broadcast_params(trainable(policy).values())
@@ -186,7 +185,6 @@ def train(cfg):
     log.info(f"writing {cfg.out}.csv (a row per step) and {cfg.out}.pt (checkpoint: at the end, on Ctrl-C"
              + (f", every {cfg.ckpt_every} steps)" if cfg.ckpt_every else ")"))
     log.open_csv(cfg.out + ".csv", COLUMNS, keep_until=state["step"])
-    log.report_to(cfg.report_to, cfg.out, state["run_id"], asdict(cfg), first if cfg.resume else None)
     estimator = ESTIMATORS[cfg.algo]
     # its hyper-parameters: the Config fields its arguments after (batch, policy) are named for (std_norm)
     hyper = {name: getattr(cfg, name) for name in list(inspect.signature(estimator).parameters)[2:]}
@@ -204,12 +202,12 @@ def train(cfg):
                 share_cores(cfg)                        # workers may have started or stopped on this machine
                 # 1. rollout: a worker's batch (trainer), or this rank's share of the prompts of (seed, step)
                 if trainer:
-                    batch, logp_behav = async_batch(server, snapshots, policy, cfg, step, world, stop)
+                    batch, snapshot = async_batch(server, snapshots, policy, cfg, step, world, stop)
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
                     with contextlib.suppress(StopRun), stop.at_once():   # generating changes nothing: drop it
                         batch = task.rollout(policy, prompts[rank::world], cfg.group_size).to(policy.device)
-                    logp_behav = None
+                    snapshot = None
                 stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms; a teacher's log-probs [N, T]
@@ -219,14 +217,14 @@ def train(cfg):
                 # 3. update (a teacher's term joins the advantage there, from the student's own first forward)
                 n_tok = int(all_sum(batch.mask.sum().item()))
                 last.pending = last.state | {"step": step, "env_steps": last.state["env_steps"] + n_tok}
-                stats, adv = update(policy, opt, batch, adv, target, cfg, task.max_len, logp_behav,
+                stats, adv = update(policy, opt, batch, adv, target, cfg, task.max_len, snapshot,
                                     teacher_logp, stop)
                 # 4. publish (async), log, evaluate, checkpoint
                 if trainer:
                     publish(policy, cfg, step + 1, snapshots, server)
                     stats["staleness"] = all_sum(step - batch.version) / world
                 if server:
-                    stats.update({name: server.counters[name] for name in QUEUE_COLUMNS})
+                    stats |= {name: server.counters[name] for name in QUEUE_COLUMNS}
                 if teacher:
                     stats["teacher_s"] = t_teacher
                 t2 = time.time()
@@ -239,8 +237,8 @@ def train(cfg):
                 log.log(row, group_samples(policy, batch, adv))         # the group: made only if written
                 done = cfg.solve_at and row.get(task.metric, -math.inf) >= cfg.solve_at
                 finished = "solved" if done else "steps" if step == cfg.steps else ""
-                if rank == 0 and (finished or cfg.ckpt_every and step % cfg.ckpt_every == 0):
-                    last.save(finished)
+                if finished or cfg.ckpt_every and step % cfg.ckpt_every == 0:
+                    last.save(finished)                 # rank 0's writes; the others' save nothing
                 if done:
                     log.info(f"solved: {task.metric} {row[task.metric]:.4g} >= {cfg.solve_at:g} at step "
                              f"{step}, {time.time() - T0:.1f} s after process start, "
@@ -249,8 +247,7 @@ def train(cfg):
             if server:                                  # workers hear it (410) and exit in seconds, not a
                 server.finish(grace=cfg.lease_timeout / 2)  # patience later: they renew every lease_timeout/5
         except (StopRun, TimeoutError) as e:            # a stop request, or no batches: keep what was trained
-            if rank == 0:
-                last.save()                             # unless the stop's saver has written this step
+            last.save()                                 # unless the stop's saver has written this step
             if world > 1:                               # no rank exits (torchrun kills the rest) mid-save
                 torch.distributed.barrier()
             script = min(os.path.relpath(__file__), __file__, key=len)  # train.py here, else an absolute path
@@ -260,7 +257,6 @@ def train(cfg):
                      f"with:\n    {launcher} --resume {cfg.out}.pt")
             raise
         finally:
-            log.close()                                 # the trackers' last rows too
             if server:
                 server.stop()                           # answer what is in flight, then close
     log.info(f"wrote {cfg.out}.csv and {cfg.out}.pt; plot the run: python tests/plot.py {cfg.out}.csv")
@@ -302,8 +298,6 @@ def validate(cfg, world=1):
         (cfg.algo in GROUP_ESTIMATORS and cfg.group_size < 2,
          f"--algo {cfg.algo} needs --group-size >= 2 (a group of one is its own baseline, so every advantage "
          f"is 0): use --group-size 8, or --algo reinforce"),
-        (set(cfg.report_to.split(",")) - {"", *TRACKERS},
-         f"--report-to {cfg.report_to}: choose from {', '.join(TRACKERS)}, comma-separated"),
         (cfg.role != "sync" and not os.environ.get("NANORL_TOKEN"),
          f"--role {cfg.role} needs NANORL_TOKEN, the same random string on trainer and workers: export "
          f"NANORL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))')"),
@@ -445,7 +439,7 @@ class StopRequests:
 
     def _saver(self, listen):                           # a thread: wakes when the first signal arrives
         with listen:
-            if listen.recv(1) and self.last and self.last.saving:
+            if listen.recv(1) and self.last:
                 self.last.save(say=True)
 
     @contextlib.contextmanager
@@ -462,7 +456,7 @@ class StopRequests:
 
     def agree(self, where):
         """Every rank learns whether any was asked to stop, and all raise StopRun(where) together."""
-        if all_sum(float(self.asked > 0)):
+        if all_sum(self.asked > 0):
             raise StopRun(where)
 
     def __enter__(self):                                # only the main thread may set signal handlers
@@ -517,9 +511,9 @@ class LastStep:
                 self.stand_in = None
 
     def save(self, finished="", say=False):
-        """Write <out>.pt (a temp file, renamed) unless it holds this step; say: print so, under the lock."""
+        """Write <out>.pt (a temp file, renamed) if this rank saves and it lacks this step; say: print so."""
         with self.lock:
-            if self.saved == (self.state["step"], finished):
+            if not self.saving or self.saved == (self.state["step"], finished):
                 return
             weights, optimizer = self.stand_in or (trainable(self.policy), self.opt.state_dict())
             path = self.cfg.out + ".pt"                 # its folder exists: rank 0's Logger.open_csv made it
@@ -576,15 +570,15 @@ def make_policy(cfg, task):
                              gpu_memory_utilization=cfg.vllm_mem, **sampling)
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     find_model(cfg.model)
+    return load_hf(cfg.model, cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
+                   lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
+                   ref_copy=cfg.ref_copy, **sampling)
+
+
+def load_hf(model, name, **kwargs):
+    """HFPolicy(model, **kwargs) on this rank's GPU or the CPU; rank 0 says where, how fast, its size."""
     t0 = time.time()
-    policy = HFPolicy(cfg.model, lora_r=cfg.lora_r if cfg.lora else 0, lora_alpha=cfg.lora_alpha,
-                      lora_targets=targets, gen_batch=cfg.gen_batch, grad_ckpt=cfg.grad_ckpt,
-                      ref_copy=cfg.ref_copy, **sampling, device=local_device(True))   # a GPU per rank, or CPU
-    return report_loaded(policy, cfg.model, t0)
-
-
-def report_loaded(policy, name, t0):
-    """Say (rank 0: once, not once per rank) that `name` has loaded, where, in how long, and its size."""
+    policy = HFPolicy(model, **kwargs, device=local_device(True))
     n, n_train = (sum(p.numel() for p in ps) for ps in (policy.parameters(), trainable(policy).values()))
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in policy.parameters()})
     Logger(enabled=os.environ.get("RANK", "0") == "0").info(
@@ -627,15 +621,13 @@ def make_teacher(cfg):
     if rows < ids:
         raise ValueError(f"--teacher {cfg.teacher} has logits for {rows} token ids, fewer than the {ids} "
                          f"--model {cfg.model} can emit: use a teacher of the student's vocabulary size")
-    t0 = time.time()
-    teacher = HFPolicy(cfg.teacher, dtype=cfg.dtype, temperature=cfg.temperature, frozen=True,
-                       device=local_device(True))
-    return report_loaded(teacher, f"teacher {cfg.teacher}", t0)
+    return load_hf(cfg.teacher, f"teacher {cfg.teacher}", dtype=cfg.dtype, temperature=cfg.temperature,
+                   frozen=True)
 
 
 def make_optimizer(cfg, policy):
     """LLMs: torch's fused Adam, one pass (utils.Adam's per-tensor steps: 1.3 s vs 0.24 s on a 0.5B model)."""
-    groups = list(policy.param_groups().values())
+    groups = policy.param_groups().values()
     if cfg.is_llm:
         return torch.optim.Adam([{"params": g} for g in groups], lr=cfg.lr, fused=True)
     return Adam(groups, lr=cfg.lr)
@@ -749,8 +741,8 @@ def publish(policy, cfg, version, snapshots, server):
 
 
 def async_batch(server, snapshots, policy, cfg, version, world, stop):
-    """--role trainer: a worker batch per rank per step, old log-probs under the snapshot that sampled it
-    (none, e.g. sampled before a --resume: dropped, counted) -> (batch, logp_behav per micro-batch or None)"""
+    """--role trainer: a worker batch per rank per step, and the snapshot that sampled it if that is not the
+    current weights, for update()'s old log-probs (none, e.g. sampled before a --resume: dropped, counted)."""
     while True:
         batches = wait_for_batches(server, world, version, cfg.batch_timeout, stop) if server else [None]
         got = batches[:1]
@@ -764,8 +756,7 @@ def async_batch(server, snapshots, policy, cfg, version, world, stop):
                 server.count("dropped_no_snapshot", world)
                 server.count("used", -world)
             continue
-        stale = batch.version != version
-        return batch, behav_logprobs(policy, batch, snap, cfg.micro_batch, stop.last) if stale else None
+        return batch, snap if batch.version != version else None
 
 
 def wait_for_batches(server, n, version, timeout, stop):
@@ -785,19 +776,19 @@ def wait_for_batches(server, n, version, timeout, stop):
 
 @torch.no_grad()
 def logprobs_no_grad(policy, batch, micro_batch):
-    """Log-probs sliced as update() slices: bit for bit its forward's. -> [[mb, T] per micro-batch]"""
-    return [policy.logprobs(batch[s])[0] for s in batch.micro_batches(micro_batch)]
+    """[N, T] log-probs, micro-batched (a teacher's)."""
+    return torch.cat([policy.logprobs(batch[rows])[0] for rows in batch.micro_batches(micro_batch)])
 
 
 @torch.no_grad()
-def behav_logprobs(policy, batch, snapshot, micro_batch, last=None):
-    """Swap in the weights that sampled the batch, take its log-probs, restore the current weights bit for bit
-    (meanwhile a stop saves their copy: last.swapped)."""
+def behav_logprobs(policy, batch, snapshot, mbs, last=None):
+    """The log-probs of micro-batches mbs as update() takes them, bit for bit, under the weights that sampled
+    the batch, swapped in and out (a stop meanwhile saves the current: last.swapped) -> [[mb, T] per mb]"""
     current = {n: p.clone() for n, p in trainable(policy).items()}   # under no_grad: no graph to detach
     with last.swapped(current) if last else contextlib.nullcontext():
         try:
             set_weights(policy, snapshot)
-            return logprobs_no_grad(policy, batch, micro_batch)
+            return [policy.logprobs(mb)[0] for mb in (batch[rows] for rows in mbs) if len(mb)]  # empty: last
         finally:
             set_weights(policy, current)
 
@@ -831,70 +822,90 @@ def policy_loss(logp, logp_prox, adv, mask, clip_low, clip_high, agg, denom):
     return aggregate(-surrogate, mask, agg, denom), ratio
 
 
-def update(policy, opt, batch, adv, target, cfg, max_len, logp_behav=None, teacher_logp=None, stop=None):
+def update(policy, opt, batch, adv, target, cfg, max_len, snapshot=None, teacher_logp=None, stop=None):
     """inner_epochs optimizer steps on a batch, micro-batched, gradients summed over ranks. Log-probs [mb, T]:
     the sampler's (batch.logp: logp_gap, --tis-cap); logp_behav, the trainer's under the weights that sampled
-    the batch (async: a snapshot; sync, None: these); logp_prox, these before the update. Per token:
+    the batch (async, stale: the snapshot; else these); logp_prox, these before the update. Per token:
         loss = -min(r A', clip(r, 1 - eps, 1 + eps_high) A'),   r = pi / pi_prox,
         A' = A min(1, pi_prox / pi_behav)   [x min(pi_behav / pi_sampler, C) with --tis-cap C],
     A including a teacher's algos.distill(teacher_logp, pi_prox), pi_prox being epoch 0's own forward.
     min(1, .): IMPALA's truncation, conservative (decoupled PPO's weight is untruncated); centring the clip on
     pi_behav instead cut ~70% of async CartPole's gradient. -> (stats, the advantage trained on [N, T])"""
     stop = stop or StopRequests(LastStep(cfg, policy, opt, {}, saving=False))   # no signals, nothing saved
-    mbs = batch.micro_batches(cfg.micro_batch)
     clip_high = cfg.clip_eps_high or cfg.clip_eps       # 0: clip above as below
     n_tok, n_rows = all_sum(batch.mask.sum().item()), all_sum(len(batch))
     denom = {"token": n_tok, "seq": n_rows, "constant": n_rows * max_len}[cfg.loss_agg]
-    logp_prox, skipped = [], 0                          # per micro-batch; epochs not stepped (NaN or inf)
-    logp_behav = logp_behav or logp_prox
-    advs = [adv[s] for s in mbs]                        # per micro-batch; a teacher's term joins in epoch 0
+    mbs, trained, n_used = teaching_micro_batches(batch, adv, cfg, target, teacher_logp)
+    logp_behav = behav_logprobs(policy, batch, snapshot, mbs, stop.last) if snapshot else None  # stale
+    adv, logp_prox, skipped = adv.clone(), [], 0        # a teacher's term joins adv in epoch 0; per mb
     coef, clip = (1.0, math.inf) if cfg.algo == "opd" else (cfg.distill_coef, 1.0)   # algos.distill's
-    ref = [policy.ref_logprobs(batch[s]) for s in mbs] if cfg.kl_coef else []
+    ref = [policy.ref_logprobs(batch[rows]) for rows in mbs] if cfg.kl_coef else []
     for epoch in range(cfg.inner_epochs):
         opt.zero_grad()
         sums = collections.defaultdict(float)           # logged metric -> its sum over micro-batches
-        for i, s in enumerate(mbs):
+        for i, rows in enumerate(mbs):
             if epoch == 0 and i:                        # every rank, no step yet (before mb 0: train()'s)
                 stop.agree(f"in the update, at micro-batch {i + 1} of {len(mbs)}")
-            mb, m = batch[s], batch.mask[s]
+            if not len(rows):
+                continue
+            mb, m = batch[rows], batch.mask[rows]
             logp, ent = policy.logprobs(mb, entropy=True, entropy_grad=cfg.ent_coef > 0)  # [mb, T] each
             if epoch == 0:
                 logp_prox.append(logp.detach())
-                if teacher_logp:
-                    advs[i] = advs[i] + distill(teacher_logp[i], logp_prox[i], m, coef, clip)
-            a = advs[i] * torch.exp(logp_prox[i] - logp_behav[i]).clamp(max=1.0)   # 1 unless stale
+                if teacher_logp is not None:
+                    adv[rows] += distill(teacher_logp[rows], logp_prox[i], m, coef, clip)
+            behav = logp_behav[i] if logp_behav else logp_prox[i]
+            a = adv[rows] * torch.exp(logp_prox[i] - behav).clamp(max=1.0)   # 1 unless stale
             if cfg.tis_cap:                             # truncated IS against the sampler's own log-probs
-                a = a * torch.exp(logp_behav[i] - mb.logp).clamp(max=cfg.tis_cap)
+                a = a * torch.exp(behav - mb.logp).clamp(max=cfg.tis_cap)
             pg, ratio = policy_loss(logp, logp_prox[i], a, m, cfg.clip_eps, clip_high, cfg.loss_agg, denom)
             loss = pg - cfg.ent_coef * aggregate(ent, m, cfg.loss_agg, denom) if cfg.ent_coef else pg
-            gap = mb.logp - logp_behav[i]               # sampler's minus ours: 0 with the same kernels
+            gap = mb.logp - behav                       # sampler's minus ours: 0 with the same kernels
             per_tok = {"ratio": ratio, "clip_frac": (ratio < 1 - cfg.clip_eps) | (ratio > 1 + clip_high),
                        "entropy": ent, "logp_gap": gap.abs(), "gap_out_frac": (gap.exp() - 1).abs() > 0.1}
-            if teacher_logp:                            # log pi_student - log pi_teacher, the weights before
-                per_tok["teacher_kl"] = logp_prox[i] - teacher_logp[i]
+            if teacher_logp is not None:                # log pi_student - log pi_teacher, the weights before
+                per_tok["teacher_kl"] = logp_prox[i] - teacher_logp[rows]
             if ref:                                     # k3 = exp(d) - d - 1, d = ref - logp (>= 0)
                 d = ref[i] - logp
                 per_tok["kl"] = torch.exp(d) - d - 1
                 loss = loss + cfg.kl_coef * aggregate(per_tok["kl"], m, cfg.loss_agg, denom)
             sums["pg_loss"] += pg.item()                # logged as they are; per_tok, as per-token means
             if target is not None:                      # critic: 0.5 (V - target)^2 per step
-                vf = aggregate(0.5 * (policy.value(mb.states) - target[s]) ** 2, m, "token", n_tok)
+                vf = aggregate(0.5 * (policy.value(mb.states) - target[rows]) ** 2, m, "token", n_tok)
                 loss = loss + cfg.vf_coef * vf
                 sums["vf_loss"] += vf.item()
             loss.backward()
             sums["loss"] += loss.item()
-            for k, x in per_tok.items():
-                sums[k] += masked_sum(x.detach().float(), m).item() / n_tok
-        norms = clip_and_step(policy, cfg, stop.last, epoch)
-        skipped += int(not all(torch.isfinite(n) for n in norms.values()))
-    totals = all_sum(torch.tensor(list(sums.values()), dtype=torch.float64, device="cpu"))  # one all-reduce
-    stats = {name: total.item() for name, total in zip(sums, totals)}
-    stats |= {"grad_norm": norms["actor"].item(), "skipped": skipped}
-    return stats, torch.cat(advs)
+            for k, x in per_tok.items():                # per-token means over the tokens computed
+                sums[k] += masked_sum(x.detach().float(), m).item() / n_used
+        norms, finite = clip_and_step(policy, cfg, stop.last, epoch)
+        skipped += not finite
+    stats = {"grad_norm": norms["actor"].item(), "skipped": skipped, "rows_trained": trained}
+    return all_ranks(sums) | stats, adv
+
+
+def all_ranks(sums):
+    """update()'s sums over all ranks in one all-reduce, less any metric no rank computed -> {name: sum}"""
+    had = [[sums.get(name, 0.0), name in sums] for name in UPDATE_COLUMNS]           # [sum, computed]
+    totals = all_sum(torch.tensor(had, dtype=torch.float64, device="cpu"))
+    return {name: total.item() for name, (total, computed) in zip(UPDATE_COLUMNS, totals) if computed}
+
+
+def teaching_micro_batches(batch, adv, cfg, target, teacher_logp):
+    """update()'s micro-batches of row indices -> (them, the rows and tokens in them on all ranks). A row of
+    advantage 0 everywhere (a group of equal rewards) adds exactly 0 to the policy gradient: unless a critic,
+    KL, entropy bonus, teacher or --every-row reads it, it is left out (denominators still count it)."""
+    every_row = cfg.every_row or target is not None or cfg.kl_coef or cfg.ent_coef or teacher_logp is not None
+    rows = torch.arange(len(batch), device=adv.device) if every_row else adv.ne(0).any(1).nonzero()[:, 0]
+    mbs = [rows[s] for s in batch.micro_batches(cfg.micro_batch)]   # as many as for all rows, on each rank
+    return mbs, all_sum(len(rows)), all_sum(batch.mask[rows].sum().item())
 
 
 def clip_and_step(policy, cfg, last, epoch):
-    """Sum the gradients over ranks, clip each group's norm, step unless one is NaN or inf -> the norms."""
+    """Sum gradients over ranks, clip each group's norm, step unless one is NaN or inf -> (norms, finite)"""
+    for p in trainable(policy).values():                # none where no row was computed (update()): a zero
+        if p.grad is None:                              # gradient, the same one the rows would have given,
+            p.grad = torch.zeros_like(p)                # so that every rank reduces the same tensors
     all_reduce_grads(policy.parameters())               # those with a gradient: frozen ones have none
     norms = {name: torch.nn.utils.clip_grad_norm_(ps, cfg.max_grad_norm or math.inf)
              for name, ps in policy.param_groups().items()}
@@ -903,14 +914,15 @@ def clip_and_step(policy, cfg, last, epoch):
     if not finite:
         print(f"skipped update (epoch {epoch}): non-finite gradient norm "
               f"{ {k: v.item() for k, v in norms.items()} }", file=sys.stderr)   # stderr: line-buffered
-    return norms
+    return norms, finite
 
 
-# what --resume may change: settings that leave the maths alone (where, how fast, how often to look)
+# what --resume may change: settings that leave the maths alone (where, how fast, how often to look); a moved
+# teacher folder: its vocabulary is checked again at start-up; report_to: older checkpoints' trackers
 RESUME_MAY_CHANGE = {"steps", "resume", "config", "out", "eval_every", "ckpt_every", "solve_at", "report_to",
                      "micro_batch", "gen_batch", "grad_ckpt", "threads", "serve_host", "serve_port",
                      "trainer_url", "batch_timeout", "lease_timeout", "trainer_patience", "vllm_mem",
-                     "teacher"}   # a moved teacher folder: its vocabulary is checked again at start-up
+                     "teacher", "every_row"}
 
 
 def read_checkpoint(path, mmap=False, what="--resume"):
@@ -918,7 +930,8 @@ def read_checkpoint(path, mmap=False, what="--resume"):
     import zipfile
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        assert isinstance(ck, dict) and ck.get("format") == "nanorl-1", "not saved by NanoRL"
+        if not (isinstance(ck, dict) and ck.get("format") == "nanorl-1"):   # not an assert: -O keeps this
+            raise TypeError("not saved by NanoRL")
     except Exception as e:                          # torch's message suggests weights_only=False: never here
         why = f"{type(e).__name__}: {str(e)[:80]}" if zipfile.is_zipfile(path) else "not a torch zip file"
         raise ValueError(f"{what} {path} is not a readable NanoRL checkpoint ({why}): "
@@ -935,9 +948,8 @@ def load_checkpoint(cfg, policy, opt):
     if cfg.steps <= s:
         raise ValueError(f"--resume {cfg.resume}: that run is finished: it is at step {s} of --steps "
                          f"{cfg.steps}; to train it further, pass a --steps above {s}")
-    diff = [f"{flag(k)} {v!r} vs {getattr(cfg, k)!r}" for k, v in ck["config"].items()
-            if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v]
-    if diff:
+    if diff := [f"{flag(k)} {v!r} vs {getattr(cfg, k)!r}" for k, v in ck["config"].items()
+                if k not in RESUME_MAY_CHANGE and getattr(cfg, k, None) != v]:
         raise ValueError("--resume needs the settings the checkpoint was trained with; these differ "
                          "(checkpoint, now): " + ", ".join(diff))
     if unmatched := set(trainable(policy)) ^ set(ck["policy"]):
@@ -946,7 +958,7 @@ def load_checkpoint(cfg, policy, opt):
     policy.load_state_dict(ck["policy"], strict=False)
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {s}", flush=True)
-    return {"step": s, "env_steps": ck["env_steps"], "run_id": ck.get("run_id")}   # None: older, a new one
+    return {"step": s, "env_steps": ck["env_steps"]}
 
 
 def export(args):

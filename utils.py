@@ -4,7 +4,6 @@ Invariant: every reduction over padded [N, T] tensors goes through masked_sum / 
 and every statistic that must match one process (whiten's mean and std) is summed over all ranks."""
 import csv
 import datetime
-import importlib
 import json
 import os
 import time
@@ -16,8 +15,8 @@ import torch.nn.functional as F
 
 # ---- masked reductions (padding stays exactly 0) ----
 
-def masked_sum(x, mask, dim=None):
-    return (x * mask).sum(dim)
+def masked_sum(x, mask):
+    return (x * mask).sum()
 
 
 def whiten(x, mask):
@@ -145,11 +144,11 @@ def broadcast_params(params):
             dist.broadcast(p.data, 0)
 
 
-# ---- logging, rank 0 only: a CSV row per step (and --report-to's trackers), a line on stdout, samples ----
+# ---- logging, rank 0 only: a CSV row per step, a line on stdout, samples ----
 
 class Logger:
     def __init__(self, enabled=True):
-        self.enabled, self.file, self.trackers, self.t0 = enabled, None, [], time.time()  # open_tracker()s
+        self.enabled, self.file, self.t0 = enabled, None, time.time()
 
     def open_csv(self, path, columns, keep_until):
         """Keep the rows of steps <= keep_until (a resumed run's step; a new run has no CSV yet), drop the
@@ -172,20 +171,11 @@ class Logger:
         # appended to (made by the first sample: LLM tasks): after a --resume, steps trained again log again
         self.samples_path = path.removesuffix(".csv") + ".samples.jsonl"
 
-    def report_to(self, names, out, run_id, config, resume_step):
-        """--report-to: every row also to these trackers, at its step; each library imported only here. A
-        missing library or an unreachable service costs one line naming the fix, never the run."""
-        for name in names.split(",") if self.enabled and names else []:
-            try:
-                self.trackers.append(open_tracker(name, out, run_id, config, resume_step))
-            except Exception as e:      # ImportError; wandb's UsageError, CommError; trackio's ConnectError
-                self.info(f"--report-to {name}: off for this run ({type(e).__name__}: {str(e)[:200]}): pip "
-                          f"install {name}, log in or set its offline mode; the CSV has every row")
-
     def log(self, row, group=()):
-        """A CSV row, to the trackers too. An evaluation's row["samples"] (greedy LLM completions): the first
-        8 (the same problems each time), then the training group's with rewards and advantages, a line each in
-        <out>.samples.jsonl (head or jq reads it); the first right and wrong ones under the step line."""
+        """A CSV row. An evaluation's row["samples"] (greedy LLM completions): the first 8 (the same problems
+        each time), then the training group's with rewards and advantages, a line each in <out>.samples.jsonl
+        (head or jq reads it); the first right and wrong ones under the step line. Your tracker goes here
+        (rank 0's alone, as the CSV): wandb.log(row, step=row["step"]), after wandb.init(...) in train()."""
         held_out = row.pop("samples", [])
         if self.file:
             self.csv.writerow(row)          # a missing column is written blank, an unknown one raises
@@ -194,16 +184,10 @@ class Logger:
                 with open(self.samples_path, "a") as f:
                     for record in [*held_out[:8], *group]:
                         f.write(json.dumps({"step": row["step"], **record}) + "\n")
-        for log, _ in self.trackers:
-            log({k: v for k, v in row.items() if k != "step"}, row["step"])
         for right in (True, False):
             if shown := next((r for r in held_out if r["correct"] == right), None):  # !r: a line, \n escaped
                 self.info(f"  {'right' if right else 'wrong'}: {shown['prompt']!r} -> {shown['completion']!r}"
                           [:150])
-
-    def close(self):
-        for _, close in self.trackers:
-            close()
 
     def progress(self, row, keys, steps, sec_per_step):
         """step i/N, the metrics in keys, s/step, elapsed, ETA (an upper bound: runs may stop once solved)."""
@@ -215,25 +199,3 @@ class Logger:
     def info(self, msg):
         if self.enabled:
             print(msg, flush=True)
-
-
-def open_tracker(name, out, run_id, config, resume_step):
-    """--report-to's tracker `name` for the run writing <out>.csv -> (log(row, step), close). A resumed run
-    (resume_step: its first step) goes on in its tracker run: wandb's by run_id (offline: a new one),
-    trackio's by name; tensorboard drops its events from resume_step on, as the CSV drops its later rows."""
-    if name == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import hparams
-        writer = SummaryWriter(f"{out}.tensorboard", purge_step=resume_step)
-        for summary in [] if resume_step else hparams(config, {}):        # its HPARAMS tab, in this folder
-            writer.file_writer.add_summary(summary)
-
-        def log(row, step):
-            for k, v in row.items():
-                writer.add_scalar(k, v, step)
-        return log, writer.close
-    lib = importlib.import_module(name)         # trackio has wandb's API: one code path for both
-    by_id = {"id": run_id} if name == "wandb" else {}  # wandb resumes its run by id, trackio by name
-    run = lib.init(project="nanorl", name=os.path.basename(out), config=config,
-                   resume="allow" if resume_step else "never", **by_id)
-    return lambda row, step: run.log(row, step=step), run.finish

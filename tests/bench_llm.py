@@ -119,7 +119,10 @@ class Split:
         self.t = dict.fromkeys(PHASES, 0.0)
 
 
-def run_nanorl(name, model, steps, micro_batch, gpu, bf16, split):
+def run_nanorl(name, model, steps, micro_batch, gpu, bf16, split, as_rungs=False):
+    """Equal work (TRL's): EOS unreachable, every row trained (--every-row). as_rungs: the step as the rungs
+    run it, on the same prompts: rows end at EOS and leave the batch, rows of a group of equal rewards (here
+    Countdown's own) are not computed; its work differs from TRL's, so compare it with the equal-work row."""
     sys.path.insert(0, ROOT)
     import torch
     import train
@@ -128,11 +131,12 @@ def run_nanorl(name, model, steps, micro_batch, gpu, bf16, split):
     cfg = train.Config(task="countdown" if name == "smollm2" else "maxdigit", model=model, algo="grpo",
                        group_size=G, n_prompts=n_prompts, max_new_tokens=new, loss_agg="seq",
                        micro_batch=micro_batch, gen_batch=n_prompts * G, lr=1e-5, eval_every=0, solve_at=0,
-                       dtype="bfloat16" if bf16 else "float32")
+                       dtype="bfloat16" if bf16 else "float32", every_row=not as_rungs)
     train.validate(cfg)
     torch.manual_seed(0)
     policy = train.make_policy(cfg, task)
-    policy.eos = [policy.model.config.vocab_size]      # never sampled: every completion is `new` tokens
+    if not as_rungs:
+        policy.eos = [policy.model.config.vocab_size]  # never sampled: every completion is `new` tokens
     opt = train.make_optimizer(cfg, policy)
     split.hook_forward(policy.model)
     split.hook_backward()
@@ -145,6 +149,7 @@ def run_nanorl(name, model, steps, micro_batch, gpu, bf16, split):
         return out
     opt.step = timed_step
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+    trained, lengths = [], []                           # per step: rows computed in the update, tokens a row
     for step in range(steps):
         sync(), torch.manual_seed(step)
         t0, split.in_generation = time.time(), True
@@ -152,11 +157,14 @@ def run_nanorl(name, model, steps, micro_batch, gpu, bf16, split):
         sync()
         t1, split.in_generation = time.time(), False
         adv, target = train.ESTIMATORS["grpo"](batch, policy, std_norm=True)
-        train.update(policy, opt, batch, adv, target, cfg, task.max_len)
+        stats, _ = train.update(policy, opt, batch, adv, target, cfg, task.max_len)
+        trained.append(stats["rows_trained"])
+        lengths.append(float(batch.mask.sum(1).float().mean()))
         sync()
         split.end_step(time.time() - t0, t1 - t0)
-        assert int(batch.mask.sum()) == n_prompts * G * new, "completions shorter than max_new_tokens"
-    return f"dtype {'bf16' if bf16 else 'fp32'}, micro-batch {micro_batch}"
+        assert as_rungs or int(batch.mask.sum()) == n_prompts * G * new, "completions shorter than max_new_tokens"
+    return (f"dtype {'bf16' if bf16 else 'fp32'}, micro-batch {micro_batch}, rows trained {trained}, mean "
+            f"completion {[round(n, 1) for n in lengths]}" + ", as the rungs run" * as_rungs)
 
 
 def run_trl(name, model, steps, micro_batch, gpu, variant, split):
@@ -249,7 +257,7 @@ def worker(a):
     split = Split()
     if a.side.startswith("nanorl"):
         bf16 = a.gpu or a.side == "nanorl-bf16"
-        note = run_nanorl(a.name, a.model, a.steps, a.micro_batch, a.gpu, bf16, split)
+        note = run_nanorl(a.name, a.model, a.steps, a.micro_batch, a.gpu, bf16, split, a.side == "nanorl-rungs")
     else:
         note = run_trl(a.name, a.model, a.steps, a.micro_batch, a.gpu, a.side, split)
     print("RESULT " + json.dumps({"steps": split.steps, "note": note, **peak(a.gpu)}), flush=True)
@@ -276,7 +284,8 @@ def main():
                     help="SmolLM2-135M-Instruct folder (python model.py DIR --gguf ...); env NANORL_SMOLLM2")
     ap.add_argument("--models", default="tiny,0.5B-shaped,smollm2", help="comma-separated subset")
     ap.add_argument("--sides", help=f"default {SIDES['cpu']} (--gpu: {SIDES['gpu']}, nanorl is bf16 there); "
-                    f"also nanorl-bf16: bf16 autocast on CPU, like TRL's defaults")
+                    f"also nanorl-bf16: bf16 autocast on CPU, like TRL's defaults; nanorl-rungs: the step as the rungs "
+                    f"run it (EOS reachable, rows without signal skipped), not equal work")
     ap.add_argument("--gpu", action="store_true", help="0.5B-shaped only, 16 x 8 x 256, bf16 autocast")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # worker mode: one side, one model
     ap.add_argument("--model", help=argparse.SUPPRESS)

@@ -27,7 +27,9 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # characters, functions <= 60 lines (train() excepted), classes <= 150.
 # Issue 31 (23,498 -> 24,597 tokens, 2,497 -> 2,650 lines) spent ~950 tokens past its +150: the stop that saves
 # from a thread (~430), the teacher's checks, term and scale, --export's refusals, one message per rule. Owed.
-RATCHET = {"tokens": 24597, "nonblank": 2650, "width": 110, "func": 60, "class": 143}
+# Issue 32 (24,597 -> 24,713, within its +300): its three mechanisms cost ~530 tokens and ~60 lines, paid by
+# removing --report-to (~415 tokens, ~35 lines) and trimming prose; the budget's lines are all spent.
+RATCHET = {"tokens": 24713, "nonblank": 2650, "width": 110, "func": 60, "class": 144}
 
 
 def code_tokens(src: str) -> int:

@@ -133,9 +133,12 @@ def test_tiny_llm_20_steps_two_workers_no_drops_and_the_real_logp_gap(tmp_path, 
     steps = [x for x in r if x["step"] != "0"]
     assert len(steps) == 20 and int(steps[-1]["used"]) == 20 and int(steps[-1]["refused"]) == sent >= 12
     assert all(int(steps[-1][k]) == 0 for k in ("dropped_stale", "dropped_no_snapshot", "evicted"))
-    # the workers' decode-time log-probs against the trainer's full forward, in fp32: rounding only (~1e-7)
-    gaps = [float(x["logp_gap"]) for x in steps]
-    assert max(gaps) < 1e-4 and sum(g > 0 for g in gaps) >= 10 and all(float(x["gap_out_frac"]) == 0 for x in steps)
+    # the workers' decode-time log-probs against the trainer's full forward, in fp32: rounding only (~1e-7), on
+    # the steps that computed rows (a step whose groups all have equal rewards computes none: blank, 7 of 20 here)
+    computed = [x for x in steps if int(x["rows_trained"]) > 0]
+    gaps = [float(x["logp_gap"]) for x in computed]
+    assert all(x["logp_gap"] == "" for x in steps if x not in computed) and len(computed) >= 5
+    assert max(gaps) < 1e-4 and sum(g > 0 for g in gaps) >= 3 and all(float(x["gap_out_frac"]) == 0 for x in computed)
     assert max(float(x["staleness"]) for x in steps) <= 2 and any(float(x["staleness"]) > 0 for x in steps)
 
 
@@ -152,8 +155,8 @@ def test_llm_behav_logprobs_equal_a_direct_scoring_and_the_sampler_gap_is_real(t
     with torch.no_grad():
         for p in trainable(policy).values():
             p.add_(0.05 * torch.randn_like(p))                                    # the trainer moved on
-    old = torch.cat(behav_logprobs(policy, batch, snaps.get(1), micro_batch=4))
-    assert torch.equal(old, torch.cat(logprobs_no_grad(direct, batch, 4)))
+    old = torch.cat(behav_logprobs(policy, batch, snaps.get(1), batch.micro_batches(4)))
+    assert torch.equal(old, logprobs_no_grad(direct, batch, 4))
     gap = (batch.logp - old).abs()[batch.mask.bool()]                              # KV-cached decode vs full forward
     assert 0 < gap.max() < 1e-4 and batch.mask.sum() >= 16
 
@@ -253,7 +256,7 @@ def test_a_worker_reloads_when_the_run_changes_even_at_the_same_version(monkeypa
             worker.start()
         batch = server.next_batches(1, 1, timeout=30)[0]
         server.stop()
-        a, b = (torch.cat(logprobs_no_grad(p, batch, 0)) * batch.mask for p in policies)
+        a, b = (logprobs_no_grad(p, batch, 0) * batch.mask for p in policies)
         assert torch.allclose(batch.logp, (a, b)[i], atol=1e-6) and not torch.allclose(batch.logp, (b, a)[i], atol=1e-3)
     worker.join(30)
     assert not worker.is_alive()
@@ -455,7 +458,7 @@ def test_behav_logprobs_swap_in_the_snapshot_and_restore_bit_for_bit():
         for p in policy.parameters():
             p.add_(0.1 * torch.randn_like(p))                         # the trainer moved on
     current = {n: p.clone() for n, p in policy.state_dict().items()}
-    old = behav_logprobs(policy, batch, snaps.get(1), micro_batch=2)
+    old = behav_logprobs(policy, batch, snaps.get(1), batch.micro_batches(2))
     assert all(torch.equal(current[n], p) for n, p in policy.state_dict().items())   # restored exactly
     assert torch.allclose(torch.cat(old) * batch.mask, batch.logp, atol=1e-6)  # version 1's numbers, not the current ones
     now = torch.cat([policy.logprobs(batch[s])[0] for s in batch.micro_batches(2)]).detach()

@@ -264,6 +264,7 @@ def test_bad_files_give_one_line_errors(tmp_path):
     assert "weights_only" not in p.stderr                             # torch's advice would be unsafe here
     torch.save({"some": "other file"}, tmp_path / "other.pt")
     one_line_error(run(TRAIN, "--resume", "other.pt", cwd=tmp_path), "not saved by NanoRL")
+    one_line_error(run("-O", TRAIN, "--resume", "other.pt", cwd=tmp_path), "not saved by NanoRL")   # no assert
     for offline in ("0", "1"):                                         # HF_HUB_OFFLINE=1: set on many clusters
         one_line_error(run(TRAIN, "--task", "maxdigit", "--algo", "grpo", "--group-size", 2, "--model",
                            "no/such/folder", cwd=tmp_path, env={**ENV, "HF_HUB_OFFLINE": offline}),

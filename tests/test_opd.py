@@ -103,7 +103,7 @@ def test_real_tool_replies_are_the_teachers_context_and_only_sampled_tokens_are_
     assert (batch.insertions() > 0).any(), "no row called the tool: pick other prompts"
     cfg = cfg_for(lms)
     teacher = make_teacher(cfg)
-    teacher_logp = logprobs_no_grad(teacher, batch, 0)[0]
+    teacher_logp = logprobs_no_grad(teacher, batch, 0)
     trained = batch.mask > 0
     plain = plain_logprobs(teacher.model, batch)                            # each row alone, whole
     assert (teacher_logp - plain)[trained].abs().max() < 1e-5 and teacher_logp[~trained].eq(0).all()
@@ -141,7 +141,7 @@ def test_a_step_forwards_the_student_once_and_adds_c_times_the_clipped_teacher_t
     teacher_path = sharp(lms[1], str(tmp_path / "sharp"))                  # log-ratios past the clip's 1 nat
     train.train(cfg_for(lms, teacher=teacher_path, algo="grpo", distill_coef=0.5, group_size=4, n_prompts=2,
                         max_new_tokens=3, steps=1, micro_batch=4, eval_every=0, solve_at=0.0, out=out))
-    batch, teacher = seen["batch"], torch.cat(seen["teacher"])
+    batch, teacher = seen["batch"], seen["teacher"]                                 # [N, T]
     assert calls.count(lms[0]) == 2 and calls.count(teacher_path) == 2        # 8 rows in micro-batches of 4
     student = torch.cat(seen["student"])
     assert ((teacher - student).abs() * batch.mask).max() > 1                  # the clip is at work

@@ -98,6 +98,21 @@ def test_prompts_go_through_the_chat_template(pol):
 
 
 @pytest.mark.slow
+def test_greedy_rows_that_end_early_leave_and_the_rest_decode_as_alone(pol):
+    """Questions answered in a few tokens beside ones that run to the budget: the short rows leave the batch
+    (test_llm: only the rows going are forwarded), and every row's greedy completion is generate()'s alone."""
+    questions = ["What is 2+3? Answer with the number only.", "Write a long story about a cat.",
+                 "Say yes or no: is 7 odd?", "List the planets of the solar system, with their moons."]
+    prompts = [pol.encode(q) for q in questions]
+    ours = pol.act(prompts, 1, greedy=True)
+    assert {len(c) for c, _, _, _ in ours} >= {16} and min(len(c) for c, _, _, _ in ours) < 16
+    for p, (c, _, _, truncated) in zip(prompts, ours, strict=True):
+        ref = pol.model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=pol.eos,
+                                 pad_token_id=pol.pad, top_k=None, top_p=None, temperature=None)[0, len(p):]
+        assert c.tolist() == ref.tolist() and truncated == (IM_END not in c.tolist())
+
+
+@pytest.mark.slow
 def test_sampling_stops_on_im_end_with_the_right_mask(pol):
     assert pol.eos == [IM_END] and pol.tok.convert_ids_to_tokens(IM_END) == "<|im_end|>"
     task = MaxDigit(eval_episodes=1, max_new_tokens=16)

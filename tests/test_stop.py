@@ -106,7 +106,7 @@ def test_a_stop_while_an_async_trainer_scores_under_an_older_snapshot_saves_the_
     seen = {}
     with StopRequests(last) as stop:
         hook = hold_at_forward(policy, 0, seen, stop, cfg.out + ".pt")
-        behav_logprobs(policy, batch, snapshot, 0, last)
+        behav_logprobs(policy, batch, snapshot, batch.micro_batches(0), last)
         hook.remove()
     assert seen["while_held"] and all(torch.equal(seen["saved"]["policy"][n], w) for n, w in before.items())
     assert all(torch.equal(p, before[n]) for n, p in trainable(policy).items())          # restored
@@ -134,7 +134,7 @@ SHUTDOWN_S = 2            # a test setting: torchrun SIGKILLs a rank 2 s after f
 # maxdigit on the tiny LM, made slow: 768 prompts x 8 samples x up to 48 tokens per step, over 2 ranks; on the
 # 2-core EPYC ~2.7 s of generation, then ~5 s of update (quiet; 3x that beside other work)
 ARGS = ["--config", "configs/tiny_maxdigit.yaml", "--n-prompts", 768, "--max-new-tokens", 48, "--micro-batch", 32,
-        "--gen-batch", 1024, "--eval-every", 0, "--steps", 3]
+        "--gen-batch", 1024, "--eval-every", 0, "--steps", 3, "--every-row"]   # every row: updates long enough
 
 
 def torchrun(*args, shutdown_s=SHUTDOWN_S, **kw):
@@ -215,12 +215,12 @@ def test_a_stop_mid_generation_and_mid_update_saves_before_the_kill_and_resumes_
 @pytest.mark.slow
 def test_a_micro_batch_longer_than_the_shutdown_timeout_is_saved_within_seconds_and_resumes_exactly(tmp_path,
                                                                                                   tiny_lm):
-    """--micro-batch 0: each step's update is one micro-batch (1536 prompts x 8 x up to 48 tokens over 2 ranks:
-    ~20-30 s on the 2-core EPYC), longer than torchrun's --shutdown-timeout 10. Ctrl-C 2 s into it: no rank
-    reaches a stop check before torchrun SIGKILLs it, yet step 1 is on disk within seconds of the signal,
+    """--micro-batch 0: each step's update is one micro-batch (3072 prompts x 8 x up to 48 tokens over 2 ranks,
+    every row computed: ~15-30 s on the 2-core EPYC), longer than torchrun's --shutdown-timeout 10. Ctrl-C 2 s
+    into it: no rank reaches a stop check before torchrun SIGKILLs it, yet step 1 is on disk within seconds of the signal,
     torchrun exits by the timeout, and --resume trains steps 2 and 3 as the uninterrupted run did: the same
     rows (the same samples drawn: rewards, lengths) and the same weights, bit for bit."""
-    args = [*ARGS, "--model", tiny_lm, "--n-prompts", 1536, "--micro-batch", 0, "--gen-batch", 2048]
+    args = [*ARGS, "--model", tiny_lm, "--n-prompts", 3072, "--micro-batch", 0, "--gen-batch", 4096]
     full = torchrun(*args, "--out", tmp_path / "full", shutdown_s=10)
     assert full.wait(900) == 0, full.stdout.read()
     part = torchrun(*args, "--out", tmp_path / "part", shutdown_s=10)

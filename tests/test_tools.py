@@ -1,10 +1,13 @@
 """Multi-turn tool use: the calculator, a task's reply(), HFPolicy feeding a reply mid-completion (on the tiny
 LM the project builds), and the loss that gives a reply nothing: its tokens are context, never trained on."""
+import itertools
+
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the LLM path needs: pip install -r requirements-llm.txt")
 from core import Batch, Trajectory  # noqa: E402
+from model import _buckets  # noqa: E402
 from tasks import Multiply, calculator  # noqa: E402
 from train import Config, policy_loss, update  # noqa: E402
 from utils import Adam  # noqa: E402
@@ -164,23 +167,34 @@ def test_a_reply_contributes_nothing_to_the_loss_or_the_gradient_whatever_its_lo
     adv = torch.tensor([-1.0, 1, -1, 1])[:, None] * batch.mask
     cfg = Config(task="maxdigit", model=tiny, lora=True, ent_coef=0.01, kl_coef=0.1, inner_epochs=2)
 
+    prefix, noised = [], []                     # per forward: a prefix's (it passes logits_to_keep)?; noised
+
     def step(noise):
         torch.manual_seed(0)
         pol = lively(policy(tiny, max_new_tokens=10, lora_r=4))
         hook = pol.model.get_output_embeddings().register_forward_hook(noise) if noise else None
+        which = pol.model.get_base_model().register_forward_pre_hook(
+            lambda m, args, kw: prefix.append("logits_to_keep" in kw), with_kwargs=True)
         stats, _ = update(pol, Adam(list(pol.param_groups().values()), lr=1e-2), batch, adv, None, cfg, 10)
+        which.remove()
         if hook:
             hook.remove()
         return stats, [p.detach().clone() for p in pol.param_groups()["actor"]]
 
-    def noise(module, inputs, logits):          # [mb, S, V]: logits[i, j] predict row i's completion token j
-        if logits.shape[1] == 1:
+    P = batch.mask.argmax(1)
+    C = batch.mask.shape[1] - batch.mask.flip(1).argmax(1) - P                       # [N] completion spans
+    buckets = itertools.cycle(_buckets(C.tolist()))   # each scoring forward takes the buckets of rows in turn
+
+    def noise(module, inputs, logits):          # [b, S, V]: logits[k, j] predict bucket row k's token j
+        if prefix[-1]:
             return logits                         # the shared prefix's forward (logits_to_keep=1)
-        P = batch.mask.argmax(1)
-        reply = torch.stack([batch.mask[i, P[i]:P[i] + logits.shape[1]] for i in range(len(batch))]) == 0
+        S, mask = logits.shape[1], torch.nn.functional.pad(batch.mask, (0, logits.shape[1]))
+        reply = torch.stack([mask[i, P[i]:P[i] + S] for i in next(buckets)]) == 0       # [b, S]
+        noised.append(int(reply.sum()))
         return logits + 1e4 * torch.randn_like(logits) * reply[..., None]
 
     (plain, w0), (noisy, w1) = step(None), step(noise)
+    assert sum(noised) > 0
     assert plain == noisy and all(torch.equal(a, b) for a, b in zip(w0, w1))
 
 

@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import algos
 from model import MLPPolicy
 from tasks import CartPole
-from train import Config, parse_config, read_yaml, train, update, validate
+from train import Config, parse_config, read_yaml, set_weights, train, trainable, update, validate
 from utils import Adam
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,10 +31,10 @@ def setup(algo="ppo", seed=0, **kw):
     return cfg, task, policy, batch, adv, target
 
 
-def grads_after(policy, cfg, batch, adv, target, max_len=500, logp_behav=None):
+def grads_after(policy, cfg, batch, adv, target, max_len=500, snapshot=None):
     policy = copy.deepcopy(policy)
     opt = Adam(list(policy.param_groups().values()), lr=cfg.lr)
-    stats, _ = update(policy, opt, batch, adv, target, cfg, max_len, logp_behav)
+    stats, _ = update(policy, opt, batch, adv, target, cfg, max_len, snapshot)
     return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats
 
 
@@ -47,13 +48,18 @@ def test_ratio_is_exactly_one_on_the_first_epoch_and_moves_after():
 
 
 def test_a_stale_batch_weighs_each_sample_by_pi_now_over_pi_then_at_most_1_and_clips_around_now():
-    """Async: a batch sampled by older weights (behaviour log-probs `then`). Its gradient is the on-policy one with
+    """Async: a batch sampled by older weights (the snapshot `then`). Its gradient is the on-policy one with
     each advantage times min(1, pi_now / pi_then), and the ratio is taken against the weights before this
     update (1 on the first epoch, as in sync): clipping against pi_then cut ~70% of CartPole's gradient."""
     cfg, task, policy, batch, adv, target = setup("reinforce")
-    now = torch.cat([policy.logprobs(batch)[0].detach()])                # [N, T]
-    then = now + torch.linspace(-1, 1, now.numel()).view_as(now) * batch.mask   # pi_then above and below pi_now
-    stale, stats = grads_after(policy, cfg, batch, adv, target, logp_behav=[then])
+    torch.manual_seed(1)
+    snapshot = {n: p.detach() + 0.3 * torch.randn_like(p) for n, p in trainable(policy).items()}
+    now = policy.logprobs(batch)[0].detach()                             # [N, T]
+    then = copy.deepcopy(policy)
+    set_weights(then, snapshot)
+    then = then.logprobs(batch)[0].detach()
+    assert ((now > then) & (batch.mask > 0)).any() and ((now < then) & (batch.mask > 0)).any()
+    stale, stats = grads_after(policy, cfg, batch, adv, target, snapshot=snapshot)
     weighted, _ = grads_after(policy, cfg, batch, adv * torch.exp(now - then).clamp(max=1), target)
     assert stats["ratio"] == 1.0 and stats["clip_frac"] == 0.0
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(stale, weighted))
@@ -78,23 +84,23 @@ class TwoActions(torch.nn.Module):
 
 def test_a_stale_batch_over_two_epochs_gives_the_hand_computed_loss():
     """Async, stale, --inner-epochs 2, where the clip's centre matters. One row, actions [0, 1], A = [+1, -1];
-    theta = 0, so pi_prox = [0.5, 0.5]; pi_behav (the snapshot's) = [0.25, 0.8].
-    Epoch 0: A' = A min(1, pi_prox / pi_behav) = [1 min(1, 2), -1 min(1, 0.625)] = [1, -0.625]; r = 1; grad of
-    -(A'_0 log pi(0) + A'_1 log pi(1)) / 2 = -([.5, -.5] + .625 [-.5, .5]) / 2 = [-.40625, .40625]. Adam's first
+    theta = 0, so pi_prox = [0.5, 0.5]; the snapshot's theta = log [0.25, 0.75], so pi_behav = [0.25, 0.75].
+    Epoch 0: A' = A min(1, pi_prox / pi_behav) = [1 min(1, 2), -1 min(1, 2/3)] = [1, -2/3]; r = 1; grad of
+    -(A'_0 log pi(0) + A'_1 log pi(1)) / 2 = -([.5, -.5] + 2/3 [-.5, .5]) / 2 = [-5/12, 5/12]. Adam's first
     step moves theta by lr * sign(grad) = 0.5: theta = [.5, -.5], pi = [sigmoid(1), sigmoid(-1)] = [.731, .269].
     Epoch 1: r = pi / pi_prox = [1.4621, 0.5379]; clipped to [0.8, 1.2]: min(1.4621 x 1, 1.2 x 1) = 1.2 and
-    min(0.5379 x -0.625, 0.8 x -0.625) = -0.5, so loss = -(1.2 - 0.5) / 2 = -0.35.
-    (Centred on pi_behav the ratio would be pi / pi_behav; untruncated, A'_0 = 2 and the loss -0.95.)"""
+    min(0.5379 x -2/3, 0.8 x -2/3) = -0.5333, so loss = -(1.2 - 0.5333) / 2 = -1/3.
+    (Centred on pi_behav the ratio would be pi / pi_behav; untruncated, A'_0 = 2 and the loss -0.9333.)"""
     from core import Batch, Trajectory
     row = Trajectory(states=torch.zeros(2), actions=torch.tensor([0, 1]), logp=torch.zeros(2),
                      rewards=torch.zeros(2), mask=torch.ones(2))
     batch = Batch.from_rows([row], 1)
     policy = TwoActions()
     cfg = Config(inner_epochs=2, clip_eps=0.2, loss_agg="token", max_grad_norm=0.0, lr=0.5)
-    behav = torch.tensor([[0.25, 0.8]]).log()                                          # [1, 2]
+    snapshot = {"theta": torch.tensor([0.25, 0.75]).log()}
     stats, _ = update(policy, Adam([[policy.theta]], lr=0.5), batch, torch.tensor([[1.0, -1.0]]), None, cfg, 2,
-                   [behav])
-    assert stats["loss"] == pytest.approx(-0.35, abs=1e-6)
+                      snapshot)
+    assert stats["loss"] == pytest.approx(-1 / 3, abs=1e-6)
     assert stats["clip_frac"] == pytest.approx(1.0)                                    # both tokens clipped
 
 
@@ -120,6 +126,58 @@ def test_non_finite_gradient_skips_the_update_and_keeps_weights():
     stats, _ = update(policy, opt, batch, adv, target, cfg, 500)
     assert stats["skipped"] == 1 and opt.t == 0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def rows_forwarded(policy, monkeypatch):
+    """A list that this policy's logprobs appends each forward's row count to (the real forward runs)."""
+    seen, forward = [], policy.logprobs
+    monkeypatch.setattr(policy, "logprobs", lambda batch, **kw: seen.append(len(batch)) or forward(batch, **kw))
+    return seen
+
+
+def counted_update(policy, cfg, batch, adv, target, monkeypatch, opt=None):
+    """update() on this policy -> (its gradients, stats, the rows of each forward)."""
+    seen = rows_forwarded(policy, monkeypatch)
+    stats, _ = update(policy, opt or Adam(list(policy.param_groups().values()), lr=0.1), batch, adv, target, cfg, 500)
+    return [p.grad.clone() for p in policy.parameters() if p.grad is not None], stats, seen
+
+
+@pytest.mark.parametrize("agg", ["token", "seq", "constant"])
+def test_rows_of_advantage_zero_are_not_computed_and_the_gradient_is_the_same(agg, monkeypatch):
+    """GRPO, micro-batches of 4: the first two groups' rows (an equal-reward group's advantage, 0 everywhere)
+    are never forwarded, the denominators still count them, so the gradient is every row's to rounding."""
+    cfg, task, policy, batch, adv, target = setup("grpo", loss_agg=agg, micro_batch=4)
+    adv = adv.clone()
+    adv[:4] = 0                                                          # groups 0 and 1: no signal
+    assert adv[4:].ne(0).any(1).all()
+    every, every_stats, every_seen = counted_update(copy.deepcopy(policy), replace(cfg, every_row=True), batch, adv,
+                                                    target, monkeypatch)
+    some, stats, seen = counted_update(copy.deepcopy(policy), cfg, batch, adv, target, monkeypatch)
+    assert every_seen == [4, 2] and seen == [2]                          # the third group's rows, only
+    assert every_stats["rows_trained"] == 6 and stats["rows_trained"] == 2
+    assert len(every) == len(some) > 0 and any(g.abs().sum() > 0 for g in every)
+    for a, b in zip(every, some):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5), (a - b).abs().max()
+    assert stats["loss"] == pytest.approx(every_stats["loss"], rel=1e-5)
+
+
+def test_a_batch_without_signal_forwards_nothing_and_adam_steps_as_on_a_zero_gradient(monkeypatch):
+    """Every row of advantage 0: no forward, and the optimizer steps as it does on the zero gradient that every
+    row would give (Adam's moments carry the last step on: a zero gradient still moves the weights), so the
+    weights after a signal step then a dead one are the same as when every row is computed."""
+    cfg, task, policy, batch, adv, target = setup("grpo")
+    ends = []
+    for every_row in (True, False):
+        p = copy.deepcopy(policy)
+        opt = Adam(list(p.param_groups().values()), lr=0.1)
+        c = replace(cfg, every_row=every_row)
+        update(p, opt, batch, adv, target, c, 500)                       # a step with signal
+        _, stats, seen = counted_update(p, c, batch, torch.zeros_like(adv), target, monkeypatch, opt)
+        assert seen == ([6] if every_row else []) and stats["rows_trained"] == (6 if every_row else 0)
+        assert opt.t == 2 and stats["skipped"] == 0 and stats["grad_norm"] == 0
+        ends.append(p.state_dict())
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    assert not torch.equal(ends[0]["actor.0.weight"], policy.state_dict()["actor.0.weight"])
 
 
 def test_kl_against_the_reference_is_zero_before_any_update():
@@ -195,18 +253,6 @@ def test_an_unknown_choice_names_the_choices(flag, value, valid, tmp_path, monke
     with pytest.raises(ValueError, match=f"^{flag} {value}: choose from .*{valid}") as e:
         validate(Config(**{name: value}))
     assert "\n" not in str(e.value)                                                   # that error alone
-
-
-def test_report_to_takes_a_comma_separated_list_of_trackers_and_names_an_unknown_one():
-    validate(parse_config(["--report-to", "wandb,tensorboard"]))
-    for how in (["--report-to", "wandb,mlflow"], ["--report-to=mlflow"]):
-        with pytest.raises(ValueError, match="^--report-to (wandb,)?mlflow: choose from wandb, trackio, tensorboard"):
-            validate(parse_config(how))
-
-
-def test_report_to_takes_a_comma_separated_list_of_trackers():
-    assert parse_config(["--report-to", "tensorboard,wandb"]).report_to == "tensorboard,wandb"
-    validate(Config(report_to="tensorboard,wandb,trackio"))
 
 
 def test_n_prompts_must_split_over_ranks():

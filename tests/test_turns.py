@@ -77,10 +77,13 @@ def test_greedy_plays_the_same_turns_and_a_turn_that_does_not_fit_ends_the_episo
     head = first + pol.tok("7 7", add_special_tokens=False)["input_ids"]
     rest = pol.act([prompts[0] + head], 1, greedy=True)[0][0].tolist()     # greedy from the whole episode
     assert c.tolist() == head + rest[:40 - len(head)] and not truncated
-    # a budget that ends inside the inserted turn: the episode ends at the first turn's end, truncated
-    short = turn_policy(tiny, max_new_tokens=len(first) + 1)
+    # a budget that ends inside the inserted turn: the episode ends at the first turn's end, truncated, with
+    # no forward after it (feeding the turn's ids would only have them dropped: vLLM's rule too)
+    short = turn_policy(tiny, max_new_tokens=len(first) + 2)
+    forwards = []
+    short.model.register_forward_pre_hook(lambda *a: forwards.append(1))
     c, _, sampled, truncated = short.act(prompts, 1, greedy=True, env=ScriptedEnv(2), problems=one)[0]
-    assert c.tolist() == first and sampled.all() and truncated
+    assert c.tolist() == first and sampled.all() and truncated and len(forwards) == len(first)
 
 
 class OneDevice(TorchFunctionMode):
@@ -116,7 +119,7 @@ def test_every_tensor_a_turn_step_makes_follows_the_policys_device(tiny):  # noq
         stats = batch_stats(batch, cfg, pol)
         adv = grpo(batch, pol, std_norm=True)[0]
         update(pol, Adam(list(pol.param_groups().values()), lr=1e-3), batch, adv, None, cfg, 12, None,
-               [pol.logprobs(batch)[0].detach()])
+               pol.logprobs(batch)[0].detach())
     assert stats["turns"] > 1
 
 
@@ -258,7 +261,8 @@ def test_an_async_trainer_and_worker_play_the_game_in_turns_over_loopback(smollm
     dropped), and the trainer's recomputed log-probs match the worker's at every trained position."""
     port = free_port()
     common = ["--task", "guess", "--model", smollm2, "--algo", "grpo", "--group-size", 4, "--n-prompts", 2,
-              "--max-new-tokens", 48, "--max-turns", 3, "--lora", "--lora-r", 8, "--max-staleness", 1]
+              "--max-new-tokens", 48, "--max-turns", 3, "--lora", "--lora-r", 8, "--max-staleness", 1,
+              "--every-row"]     # every row scored, whatever the rewards: the gap at every trained position
     trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "g", "--steps", 2,
                     "--eval-every", 0, "--solve-at", 0, "--batch-timeout", 300, *common, log=tmp_path / "trainer.log")
     worker, = workers(port, 1, *common, tmp=tmp_path, patience=120)   # SmolLM2 loads

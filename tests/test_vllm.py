@@ -347,7 +347,7 @@ def test_trainer_and_a_vllm_worker_with_the_calculator_keep_the_gap_at_the_fp32_
     port = free_port()
     common = ["--task", "multiply", "--model", smollm2, "--algo", "grpo", "--group-size", 2, "--n-prompts", 2,
               "--max-new-tokens", 24, "--lora", "--lora-r", 8, "--max-staleness", 1, "--max-tool-calls", 1,
-              "--temperature", 0.5]
+              "--temperature", 0.5, "--every-row"]    # every row scored, whatever the rewards: a gap every step
     (tmp_path / "t").mkdir()
     (tmp_path / "w").mkdir()
     trainer = launch(["--role", "trainer", "--serve-port", port, "--out", tmp_path / "v", "--steps", 3, "--lr", 2e-3,
