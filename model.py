@@ -245,8 +245,7 @@ class HFPolicy(_Text, nn.Module):
 
 
 def _samples(steps, end, done, cut, dtype):
-    """_generate's steps, (ids, sampler log-probs, sampled) [B] each, -> per row (completion ids, log-probs,
-    sampled, truncated), cut at its last sampled id (end [B]); truncated: not stopped (done [B]), or cut."""
+    """_generate's steps of [B] (ids, log-probs, sampled) -> per row those and truncated, cut at end [B]."""
     toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
     bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
     if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
@@ -269,10 +268,10 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
     if prefix is not None:
         model(input_ids=pre, attention_mask=pre_attn, position_ids=pre_pos, use_cache=True,
               logits_to_keep=1, **{cache_key: prefix})
-    logits = [None] * len(ids)
-    for bucket in _buckets(C.tolist()):
+    logits, lengths = [None] * len(ids), C.tolist()     # on the host: no device read per bucket or row
+    for bucket in _buckets(lengths):
         rows = torch.tensor(bucket, device=ids.device)                        # [b]
-        j = torch.arange(int(C[rows].max()), device=ids.device)               # [S], S: the bucket's longest
+        j = torch.arange(lengths[bucket[0]], device=ids.device)    # [S], S: the bucket's longest, its first
         at = P[rows, None] - 1 + j                                             # [b, S] positions
         suffix = ids[rows].gather(1, at.clamp(max=ids.shape[1] - 1))  # [b, S] last prompt token + completion
         attn, cache = (j < C[rows, None]).long(), None                         # [b, S] right padding
@@ -282,7 +281,7 @@ def _shared_prefix_logits(model, ids, P, C, pad, cache_key):
         out = model(input_ids=suffix, attention_mask=attn, position_ids=at, use_cache=cache is not None,
                     **{cache_key: cache}).logits                               # [b, S, V]
         for i, row in zip(bucket, out.unbind(0)):     # not out[k]: its backward zero-fills a [b, S, V]
-            logits[i] = row[:C[i]]                                             # [C[i], V]
+            logits[i] = row[:lengths[i]]                                       # [C[i], V]
     return logits
 
 

@@ -54,8 +54,6 @@ def arg(default, help, choices=None):   # metadata: the flag's add_argument keyw
     return field(default=default, metadata={"help": help.replace("%", "%%"), "choices": choices, **kw})
 
 
-
-
 @dataclass
 class Config:
     # what to train

@@ -29,7 +29,7 @@ MODULES = ["core", "utils", "algos", "model", "tasks", "serve", "train"]
 # from a thread (~430), the teacher's checks, term and scale, --export's refusals, one message per rule. Owed.
 # Issue 32 (24,597 -> 24,713, within its +300): its three mechanisms cost ~530 tokens and ~60 lines, paid by
 # removing --report-to (~415 tokens, ~35 lines) and trimming prose; the budget's lines are all spent.
-RATCHET = {"tokens": 24713, "nonblank": 2650, "width": 110, "func": 60, "class": 144}
+RATCHET = {"tokens": 24713, "nonblank": 2649, "width": 110, "func": 60, "class": 144}
 
 
 def code_tokens(src: str) -> int:
