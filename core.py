@@ -37,6 +37,7 @@ class Batch:
     final_states: torch.Tensor | None  # [N, O] or None
     group_size: int
     version: int = 0                # weights version that sampled this batch (async)
+    lease: str = ""                 # the lease it was made for (async): its prompts' seed
 
     @staticmethod
     def from_rows(rows, group_size):

@@ -161,7 +161,6 @@ class HFPolicy(_Text, nn.Module):
         place of a sample, as their own ids: re-encoding the text can merge tokens."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
-        end = torch.zeros_like(inv)         # [B] lengths: steps to its last sampled id (its stop token kept)
         cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
         # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
         completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
@@ -182,7 +181,6 @@ class HFPolicy(_Text, nn.Module):
             nxt = torch.where(feed >= 0, feed, nxt)
             own = ~done & (feed < 0)                          # [B] the model's sample: not inserted, not done
             steps.append((nxt, torch.where(own, logp.gather(1, nxt[:, None])[:, 0], 0.0), own))
-            end = torch.where(own, len(steps), end)                     # an insertion cut short is dropped
             stop = torch.isin(nxt, eos) & own                                             # [B] a turn ended
             # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
             # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
@@ -209,7 +207,7 @@ class HFPolicy(_Text, nn.Module):
                 keep = (~done[going]).nonzero()[:, 0]                                     # [A'] of the A
                 going, ids, pos, attn = going[keep], ids[keep], pos[keep], attn[keep]
                 cache.batch_select_indices(keep)
-        return _samples(steps, end, done, cut, self.dtype)
+        return _samples(steps, done, cut, self.dtype)
 
     @torch.no_grad()
     def ref_logprobs(self, batch):
@@ -244,9 +242,10 @@ class HFPolicy(_Text, nn.Module):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
 
 
-def _samples(steps, end, done, cut, dtype):
-    """_generate's steps of [B] (ids, log-probs, sampled) -> per row those and truncated, cut at end [B]."""
+def _samples(steps, done, cut, dtype):
+    """_generate's steps of [B] (ids, log-probs, sampled) -> per row those to its last sample, truncated."""
     toks, logps, own = (torch.stack(x, 1).cpu() for x in zip(*steps))                 # [B, C] each
+    end = own.shape[1] - own.flip(1).int().argmax(1)   # [B]: stop token kept, an insertion cut short dropped
     bad = (~logps.isfinite() & own).any(0)          # [C]; checked once, not per step (a host sync)
     if bad.any():                                   # NaN logits (fp16 overflow) sample the last id
         raise ValueError(f"non-finite logits at decode step {int(bad.int().argmax())} (0 = the first new "

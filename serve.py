@@ -13,12 +13,11 @@ import os
 import re
 import secrets
 import threading
-import time
 import urllib.error
 import urllib.request
 from http import HTTPStatus
 from http.client import HTTPException
-from time import monotonic
+from time import monotonic, sleep
 from urllib.parse import parse_qsl
 
 import safetensors.torch
@@ -109,7 +108,8 @@ def batch_from_bytes(data, limits):
     if not 0 < T <= prompt_len + max_len:
         raise ValueError(f"T {T} is not in 1..{prompt_len + max_len}: {prompt_len} prompt + {max_len} "
                          f"completion tokens" if llm else f"T {T} is not in 1..{max_len}: this task's steps")
-    batch = Batch(**{"final_states": None, **tensors}, group_size=limits["group_size"], version=int(version))
+    batch = Batch(**{"final_states": None, **tensors}, group_size=limits["group_size"], version=int(version),
+                  lease=meta["lease"])
     mask, actions = batch.mask, batch.actions
     start, end = mask.argmax(1), T - mask.flip(1).argmax(1)   # [N]: [start, end) trained, for a 0/1 mask
     holes, n_actions = limits["insertions"], limits["n_actions"]
@@ -449,7 +449,7 @@ class TrainerServer(WireServer, BatchQueue):
     def finish(self, grace):
         """The run is over: 410s from now on (workers exit); returns in `grace` s, for renewals to hear it."""
         self.gone = f"run {self.run} finished: no more batches are needed, the worker can exit"
-        time.sleep(grace)
+        sleep(grace)
 
     def publish(self, version, tensors, adapter_files=None):
         """Make `version` current: the trainable tensors serialized once (a copy), for every worker."""
@@ -521,7 +521,7 @@ class TrainerClient:
         patience = self.patience if patience is None else patience
         deadline, delay = monotonic() + patience, 0.0
         while True:
-            time.sleep(delay)
+            sleep(delay)
             delay = min(2 * delay + self.backoff, 8.0)                  # 0, 1, 3, 7, .. x backoff, capped
             try:
                 with self._open(urllib.request.Request(self.url + path, body, self.auth, method=method),

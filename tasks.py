@@ -176,8 +176,9 @@ def gsm8k_reward(prompt, completion, answer):
     return float(got is not None and got == ref)
 
 
-def maxdigit_reward(prompt, completion, answer):
-    return float(completion[:1] == answer)
+def prefix_reward(prompt, completion, answer):
+    """1.0 iff the completion starts with the answer: all or nothing, however many tokens it takes."""
+    return float(completion.startswith(answer))
 
 
 def overlong_penalty(n_tokens, max_new_tokens, cache):
@@ -222,11 +223,12 @@ def load_gsm8k(path, split):
             row = None
         ok = (isinstance(row, dict) and isinstance(row.get("question"), str)
               and isinstance(row.get("answer"), str) and "####" in row["answer"])
-        ref = row["answer"].split("####")[-1].strip() if ok else ""
+        solution, _, ref = row["answer"].rpartition("####") if ok else ("", "", "")
         if _last_number(ref) is None:
             raise ValueError(f"{where} {i}: {GSM8K_FIX}")
         if not path or held_out(row["question"]) == (split == "test"):
-            out.append({"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref})
+            out.append({"prompt": GSM8K_PROMPT.format(question=row["question"]), "answer": ref.strip(),
+                        "solution": solution.strip()})
     return out
 
 
@@ -244,6 +246,7 @@ class LLMTask:
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
     train_set = None                            # data-backed tasks: every training problem
+    hint = None                                 # --teacher self: what privileged() adds (str.format)
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
@@ -302,6 +305,11 @@ class LLMTask:
     def prompt_ids(self, encode, problems):
         """Prompt ids, + tool_hint with tools (held_out() reads the prompt alone: the same eval set)."""
         return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else "")) for p in problems]
+
+    def privileged(self, problem):
+        """The prompt --teacher self sees: the student's with what it must find alone (an answer, a solution)
+        where this task puts it; None: there is nothing to show. Sampling and evaluation never see it."""
+        return None if self.hint is None else problem["prompt"] + self.hint.format(**problem)
 
     def reply(self, text):
         """The text so far, ending in tool_stop -> the reply to insert, or None: no call (no digit before the
@@ -395,6 +403,7 @@ def sample_record(policy, prompt, ids, sampled, **fields):
 class Countdown(LLMTask):
     """Reach the target with + - * / and each given number once (TinyZero's Countdown game)."""
     rewards = [(1.0, countdown_reward), (0.1, format_reward)]
+    hint = " (One solution: <answer>{solution}</answer>)"
 
     problem = staticmethod(countdown_problem)
 
@@ -402,6 +411,7 @@ class Countdown(LLMTask):
 class GSM8K(LLMTask):
     """Grade-school math word problems; the reference is the number after '####'."""
     rewards = [(1.0, gsm8k_reward), (0.1, format_reward)]
+    hint = "\n(A worked solution: {solution} The answer: {answer}.)"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -418,17 +428,28 @@ class MaxDigit(LLMTask):
     """Prompt '381=', answer '8': the largest of 3 random digits, as the completion's first character. A tiny
     character-level model learns it by RL from random init on a CPU (1,000 prompts, 107 held out). Baseline:
     always answering '9' scores 27% on the first 100 held-out prompts (27.1% on all: 1 - 0.9**3)."""
-    rewards = [(1.0, maxdigit_reward)]
+    rewards = [(1.0, prefix_reward)]
 
     def problem(self, rng):
         d = rng.integers(10, size=3).tolist()
-        return {"prompt": "".join(map(str, d)) + "=", "answer": str(max(d))}
+        return {"prompt": "".join(map(str, d)) + "=", "answer": self.answer(d)}
+
+    def answer(self, digits):
+        return str(max(digits))
+
+
+class MaxMin(MaxDigit):
+    """'381=' -> '81': the largest digit, then the smallest; two tokens, rewarded all or nothing, so a reward
+    says once per completion what a teacher says at each token (rung 2, distilled)."""
+
+    def answer(self, digits):
+        return f"{max(digits)}{min(digits)}"
 
 
 class Addition(LLMTask):
     """'What is 47 + 85?' (8,100 prompts), correct iff the last number is the sum (GSM8K's verifier, no tags).
     SmolLM2-135M-Instruct explains at length, runs out of tokens: starts low, above 0."""
-    rewards, op = [(1.0, gsm8k_reward)], "+"
+    rewards, op, hint = [(1.0, gsm8k_reward)], "+", " (The answer is {answer}.)"
 
     def problem(self, rng):
         a, b = rng.integers(10, 100, size=2).tolist()
@@ -467,6 +488,16 @@ class GuessBlind(Guess):
     informative = False
 
 
+class AdditionControl(Addition):
+    """--teacher self's control: its teacher is shown another problem's answer (same format, wrong content).
+    What the self-taught run gains over this one, it learned from the answer, not from the extra term."""
+
+    def privileged(self, problem):
+        other = self.problem(np.random.default_rng(list(problem["prompt"].encode())))
+        return super().privileged(problem | {"answer": other["answer"]})
+
+
 # --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
-         "addition": Addition, "multiply": Multiply, "guess": Guess, "guess_blind": GuessBlind}
+         "maxmin": MaxMin, "addition": Addition, "addition_control": AdditionControl, "multiply": Multiply,
+         "guess": Guess, "guess_blind": GuessBlind}

@@ -32,7 +32,7 @@ import socket  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
-from dataclasses import asdict, dataclass, field, fields  # noqa: E402
+from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -80,8 +80,9 @@ class Config:
     ent_coef: float = arg(0.0, "entropy bonus weight (0: off)")
     kl_coef: float = arg(0.0, "k3 KL penalty weight against the reference policy (0: off)")
     vf_coef: float = arg(0.5, "critic loss weight (PPO)")
-    teacher: str = arg("", "frozen teacher model for --algo opd or --distill-coef (--model's vocabulary); "
-                           "rollout workers never load it")
+    teacher: str = arg("", "frozen teacher model for --algo opd or --distill-coef (--model's vocabulary), "
+                           "or self: the initial weights shown the task's privileged prompt; rollout "
+                           "workers never load it")
     distill_coef: float = arg(0.0, "add C x the teacher's per-token log-ratio, clipped to [-1, 1] nats, to "
                                    "--algo's advantage, e.g. GRPO + a teacher (0: off)")
     # LLM policy and sampling
@@ -92,7 +93,8 @@ class Config:
     dtype: str = arg("float32", "autocast dtype; trainable weights stay fp32 (float16: rollout workers only: "
                                 "no loss scaling)", ["float32", "bfloat16", "float16"])
     grad_ckpt: bool = arg(False, "gradient checkpointing: less activation memory, ~30% more compute")
-    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef: a frozen copy as reference (2x memory)")
+    ref_copy: bool = arg(False, "full fine-tuning with --kl-coef or --teacher self: a frozen copy of the "
+                                "initial weights (2x memory)")
     every_row: bool = arg(False, "compute every row in the update, also those with advantage 0 on every "
                                  "token, which add 0 to the gradient (benchmarks: equal work)")
     max_new_tokens: int = arg(256, "completion budget in tokens")
@@ -166,7 +168,7 @@ def train(cfg):
     reachable = cfg.solve_at and cfg.eval_every and not (cfg.is_llm and cfg.solve_at > 1)  # accuracy <= 1
     log.info(f"NanoRL: {cfg.algo} on {cfg.task} ({policy_name(cfg)}) for up to {cfg.steps} steps"
              + (f", stopping once {task.metric} >= {cfg.solve_at:g}" if reachable else "") + f"; {threads}")
-    teacher = make_teacher(cfg) if cfg.teacher else None   # first: checked before any weights load
+    teacher = make_teacher(cfg, task) if cfg.teacher else None   # first: checked before any weights load
     policy = make_policy(cfg, task)
     opt = make_optimizer(cfg, policy)
     state = load_checkpoint(cfg, policy, opt) if cfg.resume else {"step": 0, "env_steps": 0}
@@ -201,16 +203,20 @@ def train(cfg):
                 # 1. rollout: a worker's batch (trainer), or this rank's share of the prompts of (seed, step)
                 if trainer:
                     batch, snapshot = async_batch(server, snapshots, policy, cfg, step, world, stop)
+                    problems = lease_problems(task, cfg, batch.lease, batch.n_prompts)   # --teacher self's
                 else:
                     prompts = task.sample(cfg.n_prompts, np.random.default_rng([cfg.seed, step]))
                     with contextlib.suppress(StopRun), stop.at_once():   # generating changes nothing: drop it
                         batch = task.rollout(policy, prompts[rank::world], cfg.group_size).to(policy.device)
-                    snapshot = None
+                    problems, snapshot = prompts[rank::world], None
                 stop.agree(f"in step {step}'s rollout")     # every rank, before anything changes
                 t1 = time.time()
                 # 2. advantage: the only line that differs between algorithms; a teacher's log-probs [N, T]
                 adv, target = estimator(batch, policy, **hyper)
-                teacher_logp = logprobs_no_grad(teacher, batch, cfg.micro_batch) if teacher else None
+                if teacher == "self":                   # shown its problems' privileged prompts
+                    teacher_logp = self_taught(policy, task, batch, problems, cfg.micro_batch)
+                else:
+                    teacher_logp = logprobs_no_grad(teacher, batch, cfg.micro_batch) if teacher else None
                 t_teacher = time.time() - t1
                 # 3. update (a teacher's term joins the advantage there, from the student's own first forward)
                 n_tok = int(all_sum(batch.mask.sum().item()))
@@ -350,11 +356,11 @@ def llm_rules(cfg):
         (llm and cfg.gamma < 1 and cfg.algo in ("reinforce", "reinforce_baseline"),
          f"--gamma {cfg.gamma:g} would discount LLM tokens (the reward sits on the last one: with 512 tokens "
          f"the first gets {cfg.gamma:g}^511 of it): use --gamma 1 for LLM tasks"),
-        (llm and cfg.kl_coef and not (cfg.lora or cfg.ref_copy),
-         "--kl-coef with full fine-tuning needs a reference model: add --lora (the base is the reference, "
-         "free) or --ref-copy (a frozen copy: twice the weight memory)"),
-        (cfg.ref_copy and (cfg.lora or not cfg.kl_coef),
-         "--ref-copy is only for full fine-tuning with --kl-coef > 0: drop it"),
+        (llm and (cfg.kl_coef or cfg.teacher == "self") and not (cfg.lora or cfg.ref_copy),
+         "--kl-coef and --teacher self with full fine-tuning need the initial weights: add --lora (the base, "
+         "free) or --ref-copy (a frozen copy, one for both: twice the weight memory)"),
+        (cfg.ref_copy and (cfg.lora or not (cfg.kl_coef or cfg.teacher == "self")),
+         "--ref-copy is only for full fine-tuning with --kl-coef > 0 or --teacher self: drop it"),
         (cfg.vllm and not (cfg.role == "rollout" and cfg.lora),
          "--vllm is for --role rollout workers with --lora (vLLM loads the adapter per version)")]
 
@@ -605,10 +611,16 @@ def find_model(name, what="--model"):
                      f"configs/smollm2_addition.yaml, or pass a hub id")
 
 
-def make_teacher(cfg):
+def make_teacher(cfg, task):
     """--teacher: a frozen HFPolicy in --dtype scored as the policy is, on the student's ids: so its tokenizer
-    must be the student's, its logits cover every id the student can emit, checked before any weights load."""
+    must be the student's, its logits cover every id the student can emit, checked before any weights load.
+    self: the policy's initial weights (self_taught), if the task has a privileged prompt to show them."""
     from transformers import AutoConfig, AutoTokenizer
+    if cfg.teacher == "self":
+        if task.privileged(task.eval_set[0]) is None:
+            raise ValueError(f"--teacher self: {type(task).__name__}.privileged(problem) returns None, "
+                             f"nothing to show: define it (tasks.LLMTask.hint), or pass --teacher MODEL")
+        return "self"
     find_model(cfg.model)
     find_model(cfg.teacher, "--teacher")
     vocab, student_vocab = (AutoTokenizer.from_pretrained(m).get_vocab() for m in (cfg.teacher, cfg.model))
@@ -637,6 +649,11 @@ def make_server(cfg, task, policy, world):
     return TrainerServer(os.environ["NANORL_TOKEN"], fingerprint(cfg, per_rank), cfg.max_staleness, world,
                          cfg.serve_host, cfg.serve_port, lease_timeout=cfg.lease_timeout,
                          lease_life=cfg.batch_timeout, limits=batch_limits(cfg, task, policy, per_rank))
+
+
+def lease_problems(task, cfg, lease, n):
+    """A lease's n problems, seeded by it: workers draw different ones, the trainer draws them again."""
+    return task.sample(n, np.random.default_rng([cfg.seed, int(lease[:15] or "0", 16)]))
 
 
 def rollout_worker(cfg, task, threads):
@@ -671,9 +688,8 @@ def rollout_worker(cfg, task, threads):
                             if e.status != 404:
                                 raise
                             v = client.info()["version"]
-                    seed = int(lease_id[:15], 16)       # leases are random: workers draw different prompts
-                    torch.manual_seed(seed)
-                    prompts = task.sample(per_batch, np.random.default_rng([cfg.seed, seed]))
+                    torch.manual_seed(int(lease_id[:15], 16))
+                    prompts = lease_problems(task, cfg, lease_id, per_batch)
                     batch = task.rollout(policy, prompts, cfg.group_size)
                     batch.version = v                   # logp: the sampler's own, so logp_gap is the real gap
                     client.submit(batch, lease_id, run)
@@ -698,9 +714,9 @@ def rollout_worker(cfg, task, threads):
 
 def fingerprint(cfg, prompts_per_batch):
     """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
-    keys = ("task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets", "group_size",
-            "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness", "max_tool_calls",
-            "max_turns")
+    keys = ("seed", "task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets",
+            "group_size", "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness",
+            "max_tool_calls", "max_turns")     # seed: --teacher self's trainer draws a lease's problems again
     return {k: getattr(cfg, k) for k in keys} | {"prompts_per_batch": prompts_per_batch}
 
 
@@ -776,6 +792,27 @@ def wait_for_batches(server, n, version, timeout, stop):
 def logprobs_no_grad(policy, batch, micro_batch):
     """[N, T] log-probs, micro-batched (a teacher's)."""
     return torch.cat([policy.logprobs(batch[rows])[0] for rows in batch.micro_batches(micro_batch)])
+
+
+@torch.no_grad()
+def self_taught(policy, task, batch, problems, micro_batch):
+    """--teacher self -> [N, T] log-probs at the student's positions: each row's completion ids (its inserted
+    turns too), exactly the student's, after its problem's privileged prompt instead of its own, scored by the
+    initial weights (LoRA: the adapter off; else the frozen copy, shared with --kl-coef's reference).
+    problems: the batch's (async: drawn again from its lease, with the --seed workers share)."""
+    G, P = batch.group_size, batch.mask.argmax(1).tolist()                       # [N] prompt lengths
+    shown = task.prompt_ids(policy.encode, [p | {"prompt": task.privileged(p)} for p in problems])
+    rows = [(shown[i // G] + ids[p:], [0] * len(shown[i // G]) + m[p:])          # P' + T - P each
+            for i, (ids, m, p) in enumerate(zip(batch.states.tolist(), batch.mask.tolist(), P))]
+    width = max(len(ids) for ids, _ in rows)                                     # T'
+    states, mask = (torch.tensor([r[k] + [0] * (width - len(r[k])) for r in rows], device=batch.mask.device)
+                    for k in (0, 1))
+    teacher = replace(batch, states=states, mask=mask.float())                   # [N, T'] each
+    logp = torch.cat([policy.ref_logprobs(teacher[rows]) for rows in teacher.micro_batches(micro_batch)])
+    out = torch.zeros_like(batch.mask)                                           # [N, T]
+    for i, p in enumerate(P):                           # completion token t: at P + t here, P' + t there
+        out[i, p:] = logp[i, len(shown[i // G]):][:out.shape[1] - p]
+    return out
 
 
 @torch.no_grad()

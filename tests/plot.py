@@ -25,8 +25,14 @@ PANELS = [  # (title, [(column, style)])
 
 
 def read(path):
+    """The CSV's rows, each with "minutes" added: training time so far, the sum of step_s (evaluations and the
+    model's load left out)."""
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        rows, t = list(csv.DictReader(f)), 0.0
+    for r in rows:
+        t += float(r.get("step_s") or 0)
+        r["minutes"] = str(t / 60)
+    return rows
 
 
 def series(rows, x, y):
@@ -70,7 +76,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", nargs="+", help="run CSVs (<out>.csv), overlaid when several")
     p.add_argument("-o", "--out", default="", help="PNG to write (default: the first CSV with .png)")
-    p.add_argument("--x", default="step", help="x axis column: step or env_steps")
+    p.add_argument("--x", default="step", help="x axis column: step, env_steps or minutes")
     a = p.parse_args()
     missing = [c for c in a.csv if not os.path.isfile(c)]
     if missing:

@@ -163,7 +163,7 @@ def test_lora_trains_adapters_only_and_kl_starts_at_zero(tiny):
     (dict(model=""), "--task maxdigit needs --model"),
     (dict(algo="ppo"), "--algo ppo needs a critic, which LLM policies do not have: use --algo grpo or rloo"),
     (dict(group_size=1), "--algo grpo needs --group-size >= 2"),
-    (dict(kl_coef=0.1), "--kl-coef with full fine-tuning needs a reference model"),
+    (dict(kl_coef=0.1), "--kl-coef and --teacher self with full fine-tuning need the initial weights: add --lora"),
 ])
 def test_bad_llm_configs(tiny, kw, msg):
     from train import validate

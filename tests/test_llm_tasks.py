@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tasks import (GSM8K, TASKS, Countdown, MaxDigit, countdown_problem, countdown_reward, extract_answer,
-                   format_reward, gsm8k_reward, held_out, load_gsm8k, maxdigit_reward, overlong_penalty)
+from tasks import (GSM8K, TASKS, Countdown, MaxDigit, MaxMin, countdown_problem, countdown_reward, extract_answer,
+                   format_reward, gsm8k_reward, held_out, load_gsm8k, prefix_reward, overlong_penalty)
 
 
 def cd(expr, numbers, target):
@@ -107,14 +107,17 @@ def test_gsm8k_reward(completion, ref, expected):
     assert gsm8k_reward("", completion, ref) == expected
 
 
-def test_maxdigit_reward_and_problems():
-    assert maxdigit_reward("381=", "8", "8") == 1.0
-    assert maxdigit_reward("381=", "89", "8") == 1.0      # only the first character counts
-    assert maxdigit_reward("381=", "9", "8") == 0.0
-    assert maxdigit_reward("381=", " 8", "8") == 0.0
-    assert maxdigit_reward("381=", "", "8") == 0.0
+def test_prefix_reward_and_problems():
+    assert prefix_reward("381=", "8", "8") == 1.0
+    assert prefix_reward("381=", "89", "8") == 1.0      # what follows the answer is not read
+    assert prefix_reward("381=", "81", "81") == 1.0 and prefix_reward("381=", "8", "81") == 0.0   # all of it
+    assert prefix_reward("381=", "9", "8") == 0.0
+    assert prefix_reward("381=", " 8", "8") == 0.0
+    assert prefix_reward("381=", "", "8") == 0.0
     for p in MaxDigit().sample(100, np.random.default_rng(0)):
         assert set(p["prompt"]) <= set("0123456789 =,") and p["answer"] == max(p["prompt"][:3])
+    for p, q in zip(MaxDigit().sample(100, np.random.default_rng(0)), MaxMin().sample(100, np.random.default_rng(0))):
+        assert q["prompt"] == p["prompt"] and q["answer"] == p["answer"] + min(p["prompt"][:3])   # the same draws
 
 
 def test_overlong_penalty():

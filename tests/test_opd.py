@@ -86,7 +86,7 @@ def test_a_teacher_identical_to_the_student_gives_exactly_zero_advantage_and_gra
     policy, batch = sampled(lms[0], lora_r=lora)
     cfg = Config(task="maxdigit", model=lms[0], teacher=lms[0], algo="opd", lora=lora > 0, micro_batch=4,
                  max_grad_norm=0.0)
-    stats, adv, grads = distilled(policy, make_teacher(cfg), batch, cfg)
+    stats, adv, grads = distilled(policy, make_teacher(cfg, None), batch, cfg)
     assert batch.mask.sum() > 0 and adv.eq(0).all() and stats["teacher_kl"] == 0.0
     assert grads and all(g.eq(0).all() for g in grads)
 
@@ -102,7 +102,7 @@ def test_real_tool_replies_are_the_teachers_context_and_only_sampled_tokens_are_
     batch = as_batch(prompts, policy.act(prompts, 2, env=Scripted(stop, "42")), 2)
     assert (batch.insertions() > 0).any(), "no row called the tool: pick other prompts"
     cfg = cfg_for(lms)
-    teacher = make_teacher(cfg)
+    teacher = make_teacher(cfg, None)
     teacher_logp = logprobs_no_grad(teacher, batch, 0)
     trained = batch.mask > 0
     plain = plain_logprobs(teacher.model, batch)                            # each row alone, whole
@@ -185,7 +185,7 @@ def test_a_teacher_loads_in_its_dtype_and_says_so(lms, monkeypatch, capsys):
     load = transformers.AutoModelForCausalLM.from_pretrained.__func__
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         classmethod(lambda cls, *a, **kw: dtypes.append(kw.get("dtype")) or load(cls, *a, **kw)))
-    teacher = make_teacher(cfg_for(lms, dtype="bfloat16"))
+    teacher = make_teacher(cfg_for(lms, dtype="bfloat16"), None)
     assert dtypes == [torch.bfloat16] and {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in teacher.parameters())
     said = capsys.readouterr().out                                          # its name, size, dtype, time
@@ -238,7 +238,7 @@ def test_export_round_trip_and_the_folder_loads_as_a_teacher(lms, tmp_path, lora
     ours, theirs = (p.logprobs(batch)[0].detach() for p in (trained, exported))
     assert not torch.allclose(ours, policy.logprobs(batch)[0].detach(), atol=1e-3)   # trained: not the base
     assert torch.allclose(ours, theirs, atol=1e-5) and (lora or torch.equal(ours, theirs))
-    as_teacher = make_teacher(Config(task="maxdigit", model=lms[0], teacher=folder, algo="opd"))
+    as_teacher = make_teacher(Config(task="maxdigit", model=lms[0], teacher=folder, algo="opd"), None)
     stats, adv, _ = distilled(trained, as_teacher, batch, Config(task="maxdigit", algo="opd"))
     assert adv.abs().max() < 1e-5
 
@@ -291,7 +291,7 @@ def distilled_grads(lms, rank=None):
     policy, batch = sampled(lms[0], G=2, lora_r=4)
     batch = batch[:6] if rank is None else batch[rank * 3:(rank + 1) * 3]
     cfg = cfg_for(lms, lora=True, loss_agg="seq", max_grad_norm=0.0, micro_batch=2)
-    stats, _, grads = distilled(policy, make_teacher(cfg), batch, cfg)
+    stats, _, grads = distilled(policy, make_teacher(cfg, None), batch, cfg)
     return grads, stats["teacher_kl"]
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -239,3 +240,36 @@ def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_
     assert ids[k - 1] == IM_END and sampled[k - 1] and sampled[k + n:].all()
     assert ids[k:k + n] == pol.tok(turn, add_special_tokens=False)["input_ids"] == pol.turn_ids(message, IM_END)
     assert (pol.logprobs(b)[0] - b.logp).abs().max() < 1e-4
+
+
+PEAK = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, '.')\n"
+        "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
+        "finally:\n    print('PEAK_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+
+
+@pytest.mark.slow
+def test_the_lora_self_teacher_loads_no_second_model_and_its_prompt_goes_through_the_chat_template(smollm2, pol,
+                                                                                                   tmp_path):
+    """SmolLM2 + LoRA, one step of GRPO + a teacher, the same work on both sides (every row graded and
+    trained): --teacher self loads one model (one load line: 134.5M + 4.9M parameters), --teacher SMOLLM2 two,
+    and its peak RSS is lower by more than half the fp32 weights (538 MB): no second copy. The teacher's
+    prompt is the chat template's user turn holding the question and the answer, then the same assistant
+    header as the student's."""
+    peaks, loads = [], []
+    for teacher in (smollm2, "self"):
+        extra = ["--teacher", teacher, "--distill-coef", "1"]
+        p = subprocess.run([sys.executable, "-c", PEAK, "train.py", "--task", "addition", "--model", smollm2,
+                            "--lora", "--algo", "grpo", "--n-prompts", "2", "--group-size", "4", "--max-new-tokens",
+                            "8", "--steps", "1", "--eval-every", "0", "--out", str(tmp_path / f"run{len(peaks)}"),
+                            *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        peaks.append(int(p.stdout.split("PEAK_MB")[-1]))
+        loads.append([line.split(" in ")[0] + line.split(" s:")[1] for line in p.stdout.splitlines()
+                      if line.startswith("loaded ")])
+    print(f"\npeak RSS with a second SmolLM2 as the teacher {peaks[0]} MB, with --teacher self {peaks[1]} MB")
+    assert len(loads[0]) == 2 and len(loads[1]) == 1 and "139.4M parameters" in loads[1][0]
+    assert peaks[0] - peaks[1] > 538 / 2
+    problem = Addition().sample(1, np.random.default_rng(0))[0]
+    shown = pol.decode(pol.encode(Addition().privileged(problem)))
+    own = pol.decode(pol.encode(problem["prompt"]))
+    assert shown == own.replace(problem["prompt"], problem["prompt"] + f" (The answer is {problem['answer']}.)")

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="the LLM path needs: pip install -r r
 import train  # noqa: E402
 from core import Batch, Trajectory  # noqa: E402
 from model import make_tiny_lm  # noqa: E402
-from tasks import maxdigit_reward, sample_record  # noqa: E402
+from tasks import prefix_reward, sample_record  # noqa: E402
 
 
 
@@ -47,7 +47,7 @@ def test_samples_are_the_scored_ids_as_text_with_rewards_and_advantages(tmp_path
         assert set(r) == {"step", "kind", "prompt", "completion", "reward",
                           "correct" if r["kind"] == "eval" else "advantage"}
         answer = str(max(r["prompt"][-4:-1]))           # MaxDigit: '381=' -> '8'
-        assert r["reward"] == maxdigit_reward(r["prompt"], r["completion"], answer)
+        assert r["reward"] == prefix_reward(r["prompt"], r["completion"], answer)
         if r["kind"] == "eval":
             assert r["prompt"] in held_out and r["correct"] == (r["reward"] == 1.0)
     for step in (2, 4):                                 # the first group whose rewards differ: the ids scored
