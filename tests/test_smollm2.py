@@ -242,9 +242,12 @@ def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_
     assert (pol.logprobs(b)[0] - b.logp).abs().max() < 1e-4
 
 
-PEAK = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, '.')\n"
+# train.py's peak RSS: VmHWM, this process image's own (ru_maxrss survives exec: a child of this test process,
+# which holds SmolLM2 already, would report the parent's peak)
+PEAK = ("import runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, '.')\n"
         "try:\n    runpy.run_path('train.py', run_name='__main__')\n"
-        "finally:\n    print('PEAK_MB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)")
+        "finally:\n    print('PEAK_MB', [int(line.split()[1]) // 1024 for line in open('/proc/self/status')\n"
+        "                     if line.startswith('VmHWM')][0])")
 
 
 @pytest.mark.slow
