@@ -44,6 +44,19 @@ def workers(port, n, *args, tmp=None, patience=120):
                   log=tmp / f"worker{i}.log" if tmp else None) for i in range(n)]
 
 
+def trainer_and_worker(port, tmp, trainer_args, common):
+    """A trainer and one worker on loopback, run to their ends: both exit 0 (else their logs' tails)."""
+    trainer = start("--role", "trainer", "--serve-port", port, *trainer_args, *common, log=tmp / "trainer.log")
+    ws = workers(port, 1, *common, tmp=tmp)
+    try:
+        wait_for_port(port)
+        assert wait(trainer, 300) == 0, (tmp / "trainer.log").read_text()[-3000:]
+        assert wait(ws[0], 60) == 0, (tmp / "worker0.log").read_text()[-3000:]
+    finally:
+        for p in [trainer, *ws]:
+            p.kill()
+
+
 def wait(p, timeout):
     try:
         return p.wait(timeout)

@@ -323,21 +323,12 @@ def test_async_trainer_scores_worker_batches_with_its_teacher_and_teacher_kl_fal
     """The trainer loads the teacher and grades the workers' batches; the worker is told of no teacher, and
     runs: it never loads one. teacher_kl falls by design, not by luck: 64 rows a step and 30 steps, the last 5
     steps' mean at 2-6% of the first 3's in 4 runs (20 steps of 16 rows reached 53% once: a failed run)."""
-    from test_async import rows, start, wait, wait_for_port, workers
-    port, teacher = free_port(), sharp(lms[1], str(tmp_path / "sharp"))
+    from test_async import rows, trainer_and_worker
+    teacher = sharp(lms[1], str(tmp_path / "sharp"))
     common = ["--task", "maxdigit", "--model", lms[0], "--algo", "opd", "--group-size", 4, "--n-prompts", 16,
               "--max-new-tokens", 4, "--max-staleness", 1]
-    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "opd", "--steps", 30,
-                    "--eval-every", 0, "--solve-at", 0, "--lr", 5e-3, "--teacher", teacher, *common,
-                    log=tmp_path / "trainer.log")
-    ws = workers(port, 1, *common, tmp=tmp_path)
-    try:
-        wait_for_port(port)
-        assert wait(trainer, 300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        assert wait(ws[0], 60) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
-    finally:
-        for p in [trainer, *ws]:
-            p.kill()
+    trainer_and_worker(free_port(), tmp_path, ["--out", tmp_path / "opd", "--steps", 30, "--eval-every", 0,
+                                               "--solve-at", 0, "--lr", 5e-3, "--teacher", teacher], common)
     kl = [float(r["teacher_kl"]) for r in rows(tmp_path / "opd.csv") if r["step"] != "0"]
     print("\nteacher_kl", [round(x, 2) for x in kl])
     assert len(kl) == 30 and all(float(r["teacher_s"]) > 0 for r in rows(tmp_path / "opd.csv"))

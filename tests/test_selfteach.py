@@ -228,21 +228,11 @@ def test_an_async_trainer_draws_each_lease_again_and_its_self_teacher_grades_the
     """A trainer with --teacher self and a worker, over loopback: the trainer draws each batch's problems again
     from its lease (a batch whose prompts differ would stop it) and grades every row; the worker loads no
     teacher. Addition on the tiny LM: its letters are unknown characters, the answer's digits are not."""
-    from test_async import rows, start, wait, wait_for_port, workers
-    port = free_port()
+    from test_async import rows, trainer_and_worker
     common = ["--task", "addition", "--model", tiny, "--lora", "--algo", "grpo", "--group-size", 2,
               "--n-prompts", 4, "--max-new-tokens", 3, "--max-staleness", 1]
-    trainer = start("--role", "trainer", "--serve-port", port, "--out", tmp_path / "self", "--steps", 6,
-                    "--eval-every", 0, "--solve-at", 0, "--teacher", "self", "--distill-coef", 1, *common,
-                    log=tmp_path / "trainer.log")
-    ws = workers(port, 1, *common, tmp=tmp_path)
-    try:
-        wait_for_port(port)
-        assert wait(trainer, 300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        assert wait(ws[0], 60) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
-    finally:
-        for p in [trainer, *ws]:
-            p.kill()
+    trainer_and_worker(free_port(), tmp_path, ["--out", tmp_path / "self", "--steps", 6, "--eval-every", 0,
+                                               "--solve-at", 0, "--teacher", "self", "--distill-coef", 1], common)
     got = [r for r in rows(tmp_path / "self.csv") if r["step"] != "0"]
     assert len(got) == 6 and all(float(r["teacher_s"]) > 0 and r["rows_trained"] == "8" for r in got)
     assert all(abs(float(r["teacher_kl"])) > 0 for r in got)      # the answer shown: it grades otherwise
