@@ -88,7 +88,11 @@ class Batch:
         return starts.sum(1) - 1                                                      # [N]
 
     def turns(self, eos):
-        """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, + 1 if cut mid-turn."""
+        """[N] the model's turns in each (LLM) row: its end-of-turn ids trained, the inserted ones that end a
+        turn cut at --max-turn-tokens (first in a user turn, not after a trained one), + 1 if cut mid-turn."""
         is_eos = torch.isin(self.states, torch.tensor(eos, device=self.states.device))  # [N, T]
+        after_eos = torch.cat([torch.zeros_like(is_eos[:, :1]), is_eos[:, :-1]], 1)    # [N, T]
+        trained_later = self.mask.flip(1).cumsum(1).flip(1) > 0                      # [N, T] not the padding
+        capped = (self.mask.diff(prepend=self.mask[:, :1]) < 0) & is_eos & ~after_eos & trained_later
         last = self.mask.shape[1] - 1 - self.mask.flip(1).argmax(1)                   # [N] last trained
-        return (is_eos * self.mask).sum(1) + (~is_eos.gather(1, last[:, None])[:, 0]).float()
+        return (is_eos * self.mask).sum(1) + capped.sum(1) + (~is_eos.gather(1, last[:, None])[:, 0]).float()

@@ -62,25 +62,38 @@ class MLPPolicy(nn.Module):
 class _Text:
     """encode/decode for HFPolicy and VLLMGenerator (.tok, .thinking): trainer and worker see the same ids."""
 
-    def encode(self, prompt):
-        return encode_prompt(self.tok, prompt, self.thinking)
+    def encode(self, prompt, system=None):
+        """The chat template's user turn (after a system turn if given; thinking toggled for hybrid models),
+        else plain text, the system prompt on a line of its own first."""
+        if not self.tok.chat_template:
+            return self.tok(f"{system}\n{prompt}" if system else prompt)["input_ids"]
+        chat = [{"role": "user", "content": prompt}]
+        if system:
+            chat.insert(0, {"role": "system", "content": system})
+        ids = self.tok.apply_chat_template(chat, add_generation_prompt=True, enable_thinking=self.thinking)
+        return ids["input_ids"]                                                          # a list
 
     def decode(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def insertion(self, env, problem, ids, turns):
-        """The ids to insert after a stop the model sampled (ids: its completion so far), or EPISODE_OVER.
-        After a call, the tool's reply ([] if it was no call); after an end-of-turn id, the next user turn."""
-        text = self.decode(ids)
-        if ids[-1] not in self.eos:
-            return self.tok.encode(env.reply(text) or "", add_special_tokens=False)
-        message = env.respond(problem, text) if turns < env.max_turns else None
-        return EPISODE_OVER if message is None else self.turn_ids(message, ids[-1])
+    def next_turns(self, env, rows):
+        """The ids to insert after each row's turn (rows: .episode, .ids so far, .turn_start), or
+        EPISODE_OVER: their environments stepped together with the text of the turns."""
+        texts = [self.decode(row.ids[row.turn_start:]) for row in rows]
+        messages = env.take_turns([row.episode for row in rows], texts)
+        return [self.turn_ids(message, row.ids[-1]) for row, message in zip(rows, messages)]
+
+    def reply_ids(self, env, ids):
+        """The ids of the tool's reply to the call ending ids (the completion so far), [] if no call."""
+        return self.tok.encode(env.reply(self.decode(ids)) or "", add_special_tokens=False)
 
     def turn_ids(self, message, turn_end):
-        """The ids after the model's end-of-turn id turn_end: the chat template's next user turn and assistant
+        """The ids after the model's last id turn_end: the chat template's next user turn and assistant
         header, cut from a chat after a marked assistant turn, whose own end id comes first unless the model
-        ended with that one (Qwen lists two EOS ids; the template writes <|im_end|>). No template: its ids."""
+        ended with that one (Qwen lists two EOS ids; the template writes <|im_end|>; a turn cut at
+        --max-turn-tokens ends with none). EPISODE_OVER if message is None. No template: its ids."""
+        if message is None:
+            return EPISODE_OVER
         if not self.tok.chat_template:
             return self.tok.encode(message, add_special_tokens=False)
         chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": TURN_MARK},
@@ -95,7 +108,7 @@ class _Text:
 
 
 TURN_MARK = "<nanorl-turn>"     # an assistant turn's content, to find where the template's rendering goes on
-EPISODE_OVER = None             # insertion()'s answer when a turn ended the episode ([]: nothing to insert)
+EPISODE_OVER = None             # turn_ids()'s answer when a turn ended the episode ([]: nothing to insert)
 
 
 class HFPolicy(_Text, nn.Module):
@@ -146,9 +159,10 @@ class HFPolicy(_Text, nn.Module):
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     @torch.no_grad()
-    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, episodes=None):
         """group_size samples per prompt, prompt-major, as the policy protocol in tasks.LLMTask says."""
-        rows = [row for row in zip(prompt_ids, problems or itertools.repeat(None)) for _ in range(group_size)]
+        rows = [p for p in prompt_ids for _ in range(group_size)]
+        rows = list(zip(rows, episodes or [None] * len(rows)))             # (prompt ids, episode)
         with self.autocast():                   # one context: fp32 weights cast to bf16 once, not per token
             return [s for i in range(0, len(rows), self.gen_batch)
                     for s in self._generate(rows[i:i + self.gen_batch], greedy, env)]
@@ -156,15 +170,16 @@ class HFPolicy(_Text, nn.Module):
     def _generate(self, rows, greedy, env):
         """KV-cached decoding of left-padded prompts up to any EOS id or max_new_tokens; each distinct prompt
         is prefilled once, its cache gathered to its group's rows (SmolLM2, 8 x 8 Countdown: 6.9 -> 1.0 s); an
-        ended row leaves the batch with its cache rows. rows: (prompt ids, problem). Inserted ids (a tool's
-        reply, the next user turn after an end-of-turn token, which stays sampled) are fed one per step in
-        place of a sample, as their own ids: re-encoding the text can merge tokens."""
+        ended row leaves the batch with its cache rows. rows: (prompt ids, episode). Inserted ids (a tool's
+        reply, the next user turn after a turn's end, which stays sampled) are fed one per step in place of a
+        sample, as their own ids: re-encoding the text can merge tokens."""
         ids, attn, pos, inv = _distinct_left_pad([p for p, _ in rows], self.pad, self.device)  # [U, P]; [B]
         eos, done = torch.tensor(self.eos, device=self.device), torch.zeros_like(inv, dtype=torch.bool)  # [B]
         cache, steps = None, []                 # per step: (ids, sampler log-probs, sampled), [B] each
-        # per row: its completion's ids, where the text after its last insertion starts, ids to feed, turns
-        completions, since, inserts = [[] for _ in rows], [0] * len(rows), [[] for _ in rows]
-        turns, cut = [1] * len(rows), set()     # cut: rows whose next insertion left no room (truncated)
+        # per row: its episode, completion ids, where the text after its last insertion starts, ids to feed,
+        # where its turn starts; cut: rows whose next insertion left no room (truncated)
+        state = [SimpleNamespace(episode=e, ids=[], since=0, feed=[], turn_start=0) for _, e in rows]
+        cut = set()
         going = torch.arange(len(rows), device=self.device)      # [A] the rows still going, of the B
         while len(steps) < self.max_new_tokens and not done.all():
             out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
@@ -177,30 +192,13 @@ class HFPolicy(_Text, nn.Module):
             logits = logits.new_zeros(len(rows), logits.shape[1]).index_copy(0, going, logits)
             logp = torch.log_softmax(logits.float() / self.temperature, -1)               # [B, V]
             nxt = logp.argmax(-1) if greedy else _sample(logp)                           # [B]
-            feed = torch.tensor([r.pop(0) if r else -1 for r in inserts], device=self.device)  # [B] -1: none
+            feed = torch.tensor([r.feed.pop(0) if r.feed else -1 for r in state], device=self.device)  # [B]
             nxt = torch.where(feed >= 0, feed, nxt)
             own = ~done & (feed < 0)                          # [B] the model's sample: not inserted, not done
             steps.append((nxt, torch.where(own, logp.gather(1, nxt[:, None])[:, 0], 0.0), own))
             stop = torch.isin(nxt, eos) & own                                             # [B] a turn ended
-            # a turn's end, or new text with env.tool_stop (vLLM's calls too), queues insertion()'s ids. New:
-            # since the last insertion, its last len(tool_stop) ids (>= 1 character each; all: quadratic)
-            for b, (token, was_done, ended) in enumerate(zip(nxt.tolist(), done.tolist(), stop.tolist())):
-                if was_done or not env:
-                    continue
-                completion = completions[b]
-                completion.append(token)
-                called = env.tool_stop and env.tool_stop in self.decode(
-                    completion[max(since[b], len(completion) - len(env.tool_stop)):])
-                if ended or called:
-                    new = self.insertion(env, rows[b][1], completion, turns[b])
-                    if new is EPISODE_OVER:
-                        stop[b] = True
-                    elif len(completion) + len(new) >= self.max_new_tokens:   # no room to sample after
-                        stop[b] = True                          # it (vLLM's rule): feeding it changes nothing
-                        cut.add(b)
-                    else:                               # a reply or a user turn: fed from the next step on
-                        stop[b], inserts[b], turns[b] = False, new, turns[b] + int(ended)
-                    since[b] = len(completion) + len(inserts[b])
+            if env:
+                _insert(self, env, state, nxt, done, own, stop, cut)
             done |= stop
             ids, pos, attn = nxt[going, None], pos + 1, nn.functional.pad(attn, (0, 1), value=1)  # [A, 1] ...
             if stop.any():                              # ended rows leave, their cache rows with them
@@ -240,6 +238,47 @@ class HFPolicy(_Text, nn.Module):
 
     def param_groups(self):
         return {"actor": [p for p in self.model.parameters() if p.requires_grad]}
+
+
+def _insert(policy, env, state, nxt, done, own, stop, cut):
+    """HFPolicy._generate's insertions at one step for the rows still going (state: each one's), given their
+    next ids nxt [B], which the model sampled where own [B]: new text with env.tool_stop (vLLM's calls too)
+    queues the tool's reply, a turn's end (an end id, where stop [B], or max_turn_tokens) the next user
+    turn, all that are due at this step stepped together; then stop [B] is set where the episode ended,
+    cut where no room is left."""
+    new, due = {}, []
+    steps = zip(nxt.tolist(), done.tolist(), own.tolist(), stop.tolist())       # [B] each
+    for b, (token, was_done, mine, ended) in enumerate(steps):
+        row = state[b]
+        if was_done:
+            continue
+        row.ids.append(token)
+        if not mine:                        # an inserted id, fed
+            continue
+        # a turn's end: an end id, or max_turn_tokens within the budget (past it, none: vLLM's rule too)
+        turn = len(row.ids) - row.turn_start
+        if row.episode and (ended or turn >= env.max_turn_tokens and len(row.ids) < policy.max_new_tokens):
+            due.append(b)
+            continue
+        # a call: tool_stop in the text since the last insertion, in its last len(tool_stop) ids (>= 1
+        # character each; all of it: quadratic)
+        recent = row.ids[max(row.since, len(row.ids) - len(env.tool_stop or "")):]
+        if not ended and env.tool_stop and env.tool_stop in policy.decode(recent):
+            new[b] = policy.reply_ids(env, row.ids)
+    if due:
+        new |= dict(zip(due, policy.next_turns(env, [state[b] for b in due])))
+    for b, insert in new.items():
+        row = state[b]
+        if insert is EPISODE_OVER:
+            stop[b] = True
+        elif len(row.ids) + len(insert) >= policy.max_new_tokens:    # no room to sample after it (vLLM's
+            stop[b] = True                                          # rule): feeding it changes nothing
+            cut.add(b)
+        else:                                       # a reply or a user turn: fed from the next step on
+            stop[b], row.feed = False, insert
+            if b in due:
+                row.turn_start = len(row.ids) + len(insert)
+        row.since = len(row.ids) + len(row.feed)
 
 
 def _samples(steps, done, cut, dtype):
@@ -377,14 +416,6 @@ def _row_entropy(logits, temperature):
     return -(lp.exp() * lp).sum(-1)                                                 # [K]
 
 
-def encode_prompt(tok, prompt, thinking):
-    """The chat template when the tokenizer has one (thinking toggled for hybrid models), else plain text."""
-    if tok.chat_template:
-        return tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                       enable_thinking=thinking)["input_ids"]                 # a list
-    return tok(prompt)["input_ids"]
-
-
 def stop_ids(tok, generation_eos):
     """Every EOS id the model declares: the tokenizer's and generation_config's (Qwen lists 2)."""
     listed = generation_eos if isinstance(generation_eos, list) else [generation_eos]
@@ -476,22 +507,28 @@ class VLLMGenerator(_Text):
             if not os.path.samefile(folder, path):
                 shutil.rmtree(folder)
 
-    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, episodes=None):
         """HFPolicy.act's contract, one request per sample (vLLM splits n-sample requests so anyway, and
         refuses n > 1 when greedy), request i seeded seed + i, seed from torch's RNG, which workers seed per
-        lease: they draw apart. A request stops at a call or a turn's end; its continuation (its ids and the
-        inserted ones) enters the engine at once, not after a round's slowest sample."""
+        lease: they draw apart. A request stops at a call or a turn's end (max_tokens: at max_turn_tokens
+        too); its continuation (its ids and the inserted ones) enters the engine at once, not after a round's
+        slowest sample. The turns that end at one engine step are stepped together."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
-        problems, tool_stop = problems or itertools.repeat(None), env and env.tool_stop
-        samples = [SimpleNamespace(prompt=p, problem=q, ids=[], logp=[], sampled=[], truncated=True, turns=1,
-                                   calls=0) for p, q in zip(prompt_ids, problems) for _ in range(group_size)]
+        tool_stop, cap = env and env.tool_stop, env.max_turn_tokens if episodes else self.max_new_tokens
+        rows = [p for p in prompt_ids for _ in range(group_size)]
+        episodes = episodes or [None] * len(rows)
+        samples = [SimpleNamespace(prompt=p, episode=e, ids=[], logp=[], sampled=[], truncated=True,
+                                   turn_start=0, calls=0) for p, e in zip(rows, episodes)]
         seed, count, waiting = int(torch.randint(2**30, ())), itertools.count(), {}   # request id -> sample
 
-        def request(s):                 # from the sample's prompt and ids so far
+        def request(s):                 # from the sample's prompt and ids so far, within the turn's cap
             i = next(count)
+            # max_tokens (its default is 16): the budget left, within the turn's cap, 1 at least (a tool's
+            # reply may end past the cap: HF's turn then ends at its next id too)
+            turn_left = max(cap - (len(s.ids) - s.turn_start), 1)
             params = SamplingParams(temperature=0.0 if greedy else self.temperature, top_p=1.0, top_k=0,
-                                    max_tokens=self.max_new_tokens - len(s.ids),        # the default is 16
+                                    max_tokens=min(self.max_new_tokens - len(s.ids), turn_left),
                                     logprobs=0, stop_token_ids=self.eos,   # logprobs=0: the sampled token's
                                     stop=[tool_stop] if tool_stop and s.calls < env.max_tool_calls else None,
                                     include_stop_str_in_output=True, seed=None if greedy else seed + i,
@@ -500,24 +537,34 @@ class VLLMGenerator(_Text):
             self.llm.llm_engine.add_request(f"{seed}-{i}", {"prompt_token_ids": s.prompt + s.ids}, params,
                                             lora_request=self.lora)
 
+        def go_on(s, insert):           # its ids so far and the inserted ones: the next request, if room
+            s.truncated = True                  # unless its next request ends otherwise (a turn too long)
+            if len(s.ids) + len(insert) < self.max_new_tokens:
+                s.ids, s.logp = s.ids + insert, s.logp + [0.0] * len(insert)     # inserted: context
+                s.sampled = s.sampled + [False] * len(insert)
+                request(s)
+
         for s in samples:
             request(s)
         while waiting:                  # LLM.generate's loop, taking new requests as it goes
+            due = []                    # the samples whose turn ended (its end id, or the turn's cap)
             for out in [out for out in self.llm.llm_engine.step() if out.finished]:
                 s = waiting.pop(out.request_id)
                 ids, logp, sampled, s.truncated, called = vllm_sample(out.outputs[0], self.eos, tool_stop)
                 s.ids, s.logp, s.sampled = s.ids + ids, s.logp + logp, s.sampled + sampled
-                if not env or s.truncated and not called:   # neither a call nor the end of a turn
-                    continue
-                insert = self.insertion(env, s.problem, s.ids, s.turns)
-                if insert is EPISODE_OVER:
-                    continue
-                s.turns, s.calls = s.turns + int(not called), s.calls + int(called and len(insert) > 0)
-                s.truncated = True              # unless its next request ends otherwise (a turn too long)
-                if len(s.ids) + len(insert) < self.max_new_tokens:
-                    s.ids, s.logp = s.ids + insert, s.logp + [0.0] * len(insert)     # inserted: context
-                    s.sampled = s.sampled + [False] * len(insert)
-                    request(s)
+                if called:
+                    insert = self.reply_ids(env, s.ids)
+                    s.calls += len(insert) > 0
+                    go_on(s, insert)
+                elif s.episode and (not s.truncated or len(s.ids) < self.max_new_tokens):
+                    due.append(s)
+            if due:
+                for s, insert in zip(due, self.next_turns(env, due)):
+                    if insert is EPISODE_OVER:
+                        s.truncated = False             # ended by its environment (after a capped turn too)
+                    else:
+                        s.turn_start = len(s.ids) + len(insert)
+                        go_on(s, insert)
         return [(torch.tensor(s.ids, dtype=torch.long), torch.tensor(s.logp), torch.tensor(s.sampled),
                  s.truncated) for s in samples]
 

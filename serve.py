@@ -163,6 +163,16 @@ def unpack_adapter(data, dest_dir):
 
 # ---- the trainer's side ----
 
+def host_copy(x):
+    """The tensors in nested tuples, dicts, lists (weights, a state_dict) copied to the host. copy=True:
+    .cpu() aliases a CPU parameter (the optimizer steps it); .cpu().clone() copied GPU ones twice."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(host_copy(v) for v in x)
+    if isinstance(x, dict):
+        return {k: host_copy(v) for k, v in x.items()}
+    return x.detach().to("cpu", copy=True) if torch.is_tensor(x) else x
+
+
 class Snapshots(dict):
     """version -> trainable tensors, of the last k + 1 versions, on every trainer rank: step s trains on a
     batch sampled at s - k .. s, whose old log-probs need its exact weights; s + 1 is added after step s."""
@@ -171,8 +181,7 @@ class Snapshots(dict):
         self.keep = max_staleness + 1
 
     def add(self, version, tensors):
-        # copy=True: .cpu() aliases a CPU parameter (the optimizer steps it); .cpu().clone() copied GPU twice
-        self[version] = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        self[version] = host_copy(tensors)
         while len(self) > self.keep:
             del self[min(self)]
         return self[version]

@@ -1,6 +1,7 @@
 """Tasks: sample(n, rng) -> prompts, rollout(policy, prompts, group_size) -> Batch, evaluate(policy) -> dict.
 Invariants: training and held-out prompts are disjoint by construction; a group shares a prompt (a seed)."""
 import ast
+import concurrent.futures
 import hashlib
 import inspect
 import itertools
@@ -9,7 +10,9 @@ import operator
 import os
 import re
 import sys
+import threading
 from fractions import Fraction
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -234,19 +237,37 @@ def load_gsm8k(path, split):
 
 # ---- LLM tasks: a problem is {"prompt": str, "answer": ...}; reward = weighted sum of the fns above ----
 
+def take_turns(episodes, texts):
+    """The episodes whose turn ended at one decoding step, their environments stepped together with those
+    turns' texts (concurrently: a slow one holds up this step only) -> each one's next user message, or
+    None: the episode is over (ended, failed, or its max_turns taken). Rewards add up in episode.reward."""
+    going = [(e, text) for e, text in zip(episodes, texts) if not e.failed]    # failed: never stepped again
+    for (e, _), out in zip(going, concurrently([(e.env.step, text) for e, text in going])):
+        if isinstance(out, EnvFailed):
+            e.failed, out = out, (None, None)
+        e.message, reward = out
+        if reward is not None:
+            e.reward = (e.reward or 0.0) + reward
+        e.turns += 1
+    return [None if e.failed or e.turns > e.max_turns else e.message for e in episodes]
+
+
 class LLMTask:
     """Policy protocol (HFPolicy implements it): encode(text) -> ids; decode(ids) -> text without special
-    tokens; eos, its end-of-turn ids; act(prompt_ids, G, greedy, env, problems) -> G samples per prompt,
+    tokens; eos, its end-of-turn ids; act(prompt_ids, G, greedy, env, episodes) -> G samples per prompt,
     prompt-major, each (completion ids [C] with the stop token if it stopped, sampler log-probs [C], sampled
     [C] bool, truncated) in CPU tensors. env: None, or this task: after tool_stop the sampler inserts
-    reply()'s ids, after the model's end-of-turn token respond()'s (sampled False, log-prob 0: never trained).
-    Procedural tasks define problem(rng), held out iff held_out(its prompt): training draws skip that tenth.
-    rewards[0]: correctness (0/1), what eval_acc and pass@k read."""
+    reply()'s ids; when rows end a turn (an end-of-turn token, or max_turn_tokens), take_turns() steps their
+    episodes' environments together and the sampler inserts the user turns they answer (sampled False,
+    log-prob 0: never trained). Procedural tasks define problem(rng), held out iff held_out(its prompt):
+    training draws skip that tenth. rewards[0]: correctness (0/1), what eval_acc and pass@k read; a task with
+    no rewards is scored by its environment: the sum of its steps' rewards (in [0, 1], 1: solved)."""
     is_llm, metric = True, "eval_acc"
     rewards = []                                # [(weight, fn(prompt, completion, answer) -> float)]
     reads_inserted = False                      # True: the verifiers read the replies and turns inserted too
     train_set = None                            # data-backed tasks: every training problem
     hint = None                                 # --teacher self: what privileged() adds (str.format)
+    system = None                               # the chat template's system prompt, if the task wants one
 
     # tools (--max-tool-calls): a call is an expression and "=", like 12*34=; its reply, <result>408</result>,
     # is inserted after it. "=", not tags: SmolLM2-135M wrote no <calc>12*34</calc> in 64 samples, with 4
@@ -255,10 +276,10 @@ class LLMTask:
     tool_hint = " (A calculator: write an expression and =, like 12*34=, and it writes the value.)"
 
     def __init__(self, eval_episodes=16, data="", overlong_cache=0, max_new_tokens=256, pass_k=1,
-                 max_tool_calls=0, max_turns=1):
+                 max_tool_calls=0, max_turns=1, max_turn_tokens=0):
         self.eval_episodes, self.data, self.overlong_cache = eval_episodes, data, overlong_cache
         self.pass_k, self.max_tool_calls, self.max_turns = pass_k, max_tool_calls, max_turns
-        self.env = self if max_tool_calls or max_turns > 1 else None    # what the sampler gets
+        self.max_turn_tokens = max_turn_tokens or max_new_tokens            # the samplers' cap on a turn
         self.tool = type(self).tool                         # off the class: `tool = f` is not bound to self
         if max_tool_calls:                                  # a wrong signature would turn every reply into an
             try:                                            # error (reward 0, training on): fail here instead
@@ -270,7 +291,7 @@ class LLMTask:
             self.tool_stop = None
         self.max_len = max_new_tokens                       # also Dr. GRPO's constant denominator
         # a completion's total reward: every reward fn is in [0, 1]; the overlong penalty in [-1, 0]
-        self.reward_range = -float(overlong_cache > 0), float(sum(w for w, _ in self.rewards))
+        self.reward_range = -float(overlong_cache > 0), float(sum(w for w, _ in self.rewards) or 1)
         self.eval_set = self.eval_problems()
         n_eval = len(self.eval_set)
         if n_eval < max(eval_episodes, 10):
@@ -304,7 +325,8 @@ class LLMTask:
 
     def prompt_ids(self, encode, problems):
         """Prompt ids, + tool_hint with tools (held_out() reads the prompt alone: the same eval set)."""
-        return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else "")) for p in problems]
+        return [encode(p["prompt"] + (self.tool_hint if self.max_tool_calls else ""), self.system)
+                for p in problems]
 
     def privileged(self, problem):
         """The prompt --teacher self sees: the student's with what it must find alone (an answer, a solution)
@@ -324,8 +346,13 @@ class LLMTask:
         except Exception as e:
             return f"<result>error: {type(e).__name__}</result>"
 
-    def respond(self, problem, text):
-        """After the model ended a turn (--max-turns > 1): the next user message, or None to end it all."""
+    def environment(self, problem):
+        """A new environment for one episode of problem, or None: the task has none (one turn). It keeps its
+        own state: reset(problem) starts the episode (the model sees the problem's prompt first); step(the
+        text of the model's last turn) -> (the next user message, None: the episode is over; the step's
+        reward, None: none); close(), if it has one, ends it. EnvFailed from either: it cannot go on."""
+
+    take_turns = staticmethod(take_turns)       # the samplers step the episodes through the task they get
 
     def graded(self, decode, ids, sampled):
         """The text the verifiers read: the model's own runs of ids, each decoded, a line each (inserted spans
@@ -334,31 +361,34 @@ class LLMTask:
             return decode(ids.tolist())
         return "\n".join(decode(run) for own, run in runs(ids, sampled) if own)
 
-    def score(self, problem, completion, n_tokens):
-        r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
+    def score(self, problem, completion, n_tokens, episode=None):
+        """The reward: the verifiers' on the completion, or with no rewards the episode's environment's (0 if
+        it gave none or failed); plus DAPO's overlong penalty for n_tokens."""
+        if self.rewards:
+            r = sum(w * fn(problem["prompt"], completion, problem["answer"]) for w, fn in self.rewards)
+        else:
+            r = 0.0 if episode.failed else episode.reward or 0.0
         return r + overlong_penalty(n_tokens, self.max_len, self.overlong_cache)
 
     def rollout(self, policy, prompts, group_size, greedy=False):
-        ids = self.prompt_ids(policy.encode, prompts)
+        ids, episodes = play(self, policy, prompts, group_size, greedy)
         rows = []
-        for i, (c, lp, sampled, trunc) in enumerate(policy.act(ids, group_size, greedy, self.env, prompts)):
-            p, P = prompts[i // group_size], ids[i // group_size]
+        for i, ((c, lp, sampled, truncated), reward, _) in enumerate(episodes):
+            P = ids[i // group_size]
             tokens = torch.cat([torch.tensor(P), c])                                # [T] = [P + C]
             rewards = torch.zeros(len(tokens))                                      # [T]
-            rewards[-1] = self.score(p, self.graded(policy.decode, c, sampled), len(c))    # on the last token
-            rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=trunc,
+            rewards[-1] = reward                                                    # on the last token
+            rows.append(Trajectory(states=tokens, actions=tokens, rewards=rewards, truncated=truncated,
                                    logp=torch.cat([torch.zeros(len(P)), lp]),               # [T]
                                    mask=torch.cat([torch.zeros(len(P)), sampled.float()])))  # [T]
         return Batch.from_rows(rows, group_size)
 
     def _solved(self, policy, problems, k, greedy):
-        """How many problems have one of k samples correct (rewards[0] == 1); a samples.jsonl record each."""
-        ids, fn, records = self.prompt_ids(policy.encode, problems), self.rewards[0][1], []
-        for i, (c, _, sampled, _) in enumerate(policy.act(ids, k, greedy, self.env, problems)):
-            p, text = problems[i // k], self.graded(policy.decode, c, sampled)
-            records.append(sample_record(policy, p["prompt"], c, sampled, kind="eval",
-                                         reward=self.score(p, text, len(c)),
-                                         correct=fn(p["prompt"], text, p["answer"]) == 1.0))
+        """How many problems have one of k samples correct; a samples.jsonl record each."""
+        records = []
+        for i, ((c, _, sampled, _), reward, correct) in enumerate(play(self, policy, problems, k, greedy)[1]):
+            records.append(sample_record(policy, problems[i // k]["prompt"], c, sampled, kind="eval",
+                                         reward=reward, correct=correct))
         return len({i // k for i, r in enumerate(records) if r["correct"]}), records    # i // k: its problem
 
     def evaluate(self, policy, rank=0, world=1):
@@ -372,6 +402,34 @@ class LLMTask:
         return out
 
 
+def play(task, policy, problems, k, greedy=False):
+    """k episodes of each problem, prompt-major -> the prompts' ids and per episode: (completion ids [C],
+    sampler log-probs [C], sampled [C], truncated), its reward, and correct: rewards[0] is 1, or the
+    environment's reward. The environments, if any, are reset before and closed after, all at once."""
+    ids = task.prompt_ids(policy.encode, problems)
+    episodes = [SimpleNamespace(env=task.environment(p), problem=p, max_turns=task.max_turns, turns=1,
+                                reward=None, failed=None) for p in problems for _ in range(k)]
+    envs = [e for e in episodes if e.env is not None]
+    for e, out in zip(envs, concurrently([(e.env.reset, e.problem) for e in envs])):
+        e.failed = out if isinstance(out, EnvFailed) else None      # failed: lost before its first turn
+    # the sampler gets this task if it answers tool calls or turns
+    samples = policy.act(ids, k, greedy, task if task.max_tool_calls or envs else None, envs or None)
+    concurrently([(e.env.close,) for e in envs if hasattr(e.env, "close")])
+    failed = [e.failed for e in envs if e.failed]
+    if failed:
+        print(f"warning: {len(failed)} of {len(envs)} episodes failed ({failed[0]}): ended truncated, "
+              f"reward 0", file=sys.stderr)
+    out = []
+    for (c, lp, sampled, truncated), e in zip(samples, episodes):
+        text, p = task.graded(policy.decode, c, sampled), e.problem
+        if task.rewards:
+            correct = task.rewards[0][1](p["prompt"], text, p["answer"]) == 1.0
+        else:
+            correct = e.reward == 1.0 and not e.failed
+        out.append(((c, lp, sampled, truncated or bool(e.failed)), task.score(p, text, len(c), e), correct))
+    return ids, out
+
+
 def runs(ids, sampled):
     """[C] ids, [C] bool -> [(sampled, ids)]: the completion's runs, the model's own and the inserted ones."""
     pairs = itertools.groupby(zip(ids.tolist(), sampled.tolist()), key=lambda pair: pair[1])
@@ -380,11 +438,12 @@ def runs(ids, sampled):
 
 def sample_record(policy, prompt, ids, sampled, **fields):
     """A completion as <out>.samples.jsonl shows it: the text of the very ids trained (ids [C]), each tool
-    reply's text and, if the environment answered, role-tagged turns (a run inserted after an end-of-turn id
-    is the user's, with the template's role names; the rest, tool replies included, the assistant's)."""
+    reply's text and, if the environment answered, the episode's role-tagged turns from the prompt on (a run
+    inserted after an end-of-turn id, or starting with one (a turn cut at --max-turn-tokens), is the user's,
+    with the template's role names; the rest, tool replies included, the assistant's)."""
     turns, replies, turn_ended = [[]], [], False  # turns: each one's ids, the assistant's first, alternating
     for own, run in runs(ids, sampled):
-        if not own and turn_ended:                  # the environment's next user turn
+        if not own and (turn_ended or run[0] in policy.eos):   # the environment's next user turn
             turns += [run, []]
         else:
             turns[-1] += run
@@ -395,9 +454,28 @@ def sample_record(policy, prompt, ids, sampled, **fields):
     if replies:
         record["tool_replies"] = replies
     if len(turns) > 1:
-        record["turns"] = [{"role": ("assistant", "user")[i % 2], "text": policy.decode(ids)}
-                           for i, ids in enumerate(turns)]
+        record["turns"] = [{"role": "user", "text": prompt}] + [
+            {"role": ("assistant", "user")[i % 2], "text": policy.decode(ids)} for i, ids in enumerate(turns)]
     return record
+
+
+class EnvFailed(Exception):
+    """An environment could not go on with its episode (a server's error, timeout or garbage): the episode
+    ends truncated with reward 0, counted in a warning. Any other exception is a bug: it stops the run."""
+
+
+ENV_THREADS = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="nanorl-env")
+
+
+def concurrently(calls):
+    """[(fn, *args)] -> their results, called at once on ENV_THREADS: each one's wait (a server's reply)
+    overlaps the others'. An EnvFailed raised is returned, as that call's result."""
+    def call(fn, *args):
+        try:
+            return fn(*args)
+        except EnvFailed as e:
+            return e
+    return list(ENV_THREADS.map(lambda c: call(*c), calls))
 
 
 class Countdown(LLMTask):
@@ -467,21 +545,20 @@ class Guess(LLMTask):
     """A game of turns (--max-turns 3): guess a number in lo..lo+9; after a wrong guess the environment tells
     its last digit, which with the range names it. GuessBlind, the control, says only wrong: what Guess gains
     over it, the model learned from the environment's answers. (Higher/lower was tried first: SmolLM2 learned
-    to count up from lo, where "higher" tells nothing, in 10 steps; the control would learn the same.)"""
-    rewards, informative = [(1.0, gsm8k_reward)], True      # the last number the model wrote is the secret
+    to count up from lo, where "higher" tells nothing, in 10 steps; the control would learn the same.) Scored
+    by the game (no rewards): 1 iff a turn's guess was the secret. A game is dealt from a seed, as the OpenEnv
+    server tests/openenv_guess.py deals it."""
+    informative = True
 
     def problem(self, rng):
-        lo = rng.integers(1, 491)                           # 490 ranges: 46 of them held out
+        seed = int(rng.integers(2**31))
+        deal = np.random.default_rng(seed)
+        lo = int(deal.integers(1, 491))                     # 490 ranges: 46 of them held out
         return {"prompt": f"Guess my number. It is from {lo} to {lo + 9}. Write only your guess, a single "
-                          f"number.", "answer": str(rng.integers(lo, lo + 10))}
+                          f"number.", "answer": str(deal.integers(lo, lo + 10)), "seed": seed}
 
-    def respond(self, problem, text):
-        """The model's guess: the last number after the environment's last turn (which may hold a digit)."""
-        guess, secret = _last_number(text.rpartition("Guess again.")[2]), int(problem["answer"])
-        if guess == secret:
-            return None
-        hint = f": my number ends in {secret % 10}" if self.informative else ""
-        return f"Wrong{hint}. Guess again."
+    def environment(self, problem):
+        return GuessGame(self.informative)
 
 
 class GuessBlind(Guess):
@@ -497,7 +574,99 @@ class AdditionControl(Addition):
         return super().privileged(problem | {"answer": other["answer"]})
 
 
+class GuessGame:
+    """One game of Guess: a turn's guess is the last number in it; a wrong one is answered, with the secret's
+    last digit if informative; the right one ends the game, reward 1."""
+
+    def __init__(self, informative):
+        self.informative = informative
+
+    def reset(self, problem):
+        self.secret = int(problem["answer"])
+
+    def step(self, text):
+        if _last_number(text) == self.secret:
+            return None, 1.0
+        hint = f": my number ends in {self.secret % 10}" if self.informative else ""
+        return f"Wrong{hint}. Guess again.", 0.0
+
+
+class OpenEnv(LLMTask):
+    """An OpenEnv environment server (--data URL) trained unmodified, through openenv-core's own client (pip
+    install -r requirements-openenv.txt): a session per sampled episode, its observations the user turns, its
+    rewards the score. A problem is a seed: reset(seed) on a drawing session gives its prompt, and each of
+    its episodes resets a session of its own with that seed, which must deal the same. A server whose
+    observation has one text field and whose action is {"message": text} needs no code; for others,
+    subclass, override observe() and action(), and add the class to TASKS."""
+    timeout = 30.0                              # seconds for a server's reply; past it, the episode fails
+    drawing = None                              # the session that deals the problems, opened at the first
+
+    def problem(self, rng):
+        seed = int(rng.integers(2**31))
+        self.drawing = self.drawing or OpenEnvSession(self)
+        try:
+            return {"prompt": self.drawing.reset({"seed": seed}), "seed": seed, "answer": ""}
+        except EnvFailed as e:                  # TimeoutError: train.py saves the steps trained, then stops
+            raise TimeoutError(f"no problem drawn: {e}: is an OpenEnv server at --data URL?") from None
+
+    def environment(self, problem):
+        return OpenEnvSession(self)
+
+    def observe(self, observation):
+        """The server's observation (a dict) as the next user turn's text: its one text field."""
+        texts = [v for v in observation.values() if isinstance(v, str)]
+        if len(texts) != 1:
+            raise ValueError(f"the observation has {len(texts)} text fields ({', '.join(observation)}): "
+                             f"override OpenEnv.observe(observation) -> text")
+        return texts[0]
+
+    def action(self, text):
+        """The model's turn as the server's action."""
+        return {"message": text}
+
+
+class OpenEnvSession:
+    """One session of task's OpenEnv server: the environment protocol over openenv-core's client (its sync
+    wrapper: an event loop on a thread). Any failure (refused, an error answer, garbage, no answer within
+    task.timeout) is an EnvFailed naming the server."""
+
+    def __init__(self, task):
+        from openenv.core import GenericEnvClient       # here: the core never needs its web stack
+        self.task, self.failed = task, False
+        self.client = GenericEnvClient(task.data, connect_timeout_s=task.timeout,
+                                       message_timeout_s=task.timeout).sync()
+
+    def answer(self, request, *args, **kwargs):
+        """request's result as (its observation's text, None if done; its reward, a number or None), or
+        EnvFailed (the client checks no answer: a reward "lots" comes back as it is)"""
+        try:
+            result = request(*args, **kwargs)
+            reward = None if result.reward is None else float(result.reward)
+            return None if result.done else self.task.observe(result.observation), reward
+        except Exception as e:
+            self.failed = True
+            raise EnvFailed(f"{self.task.data}: {type(e).__name__}: {e!s:.200}") from None
+
+    def reset(self, problem):
+        text, _ = self.answer(self.client.reset, seed=problem["seed"])
+        if problem.get("prompt", text) != text:
+            raise EnvFailed(f"{self.task.data}: reset(seed={problem['seed']}) dealt another observation than "
+                            "at the draw: the server must deal the same one for a seed")
+        return text
+
+    def step(self, text):
+        return self.answer(self.client.step, self.task.action(text))
+
+    def close(self):
+        """Ends the session; one that failed, on a thread not waited for: a frozen server holds a close for
+        websockets' own 10 s, whatever task.timeout says."""
+        if self.failed:
+            threading.Thread(target=self.client.close, daemon=True).start()
+        else:
+            self.client.close()
+
+
 # --task's names, the one registry of tasks: a new task is its class here
 TASKS = {"cartpole": CartPole, "countdown": Countdown, "gsm8k": GSM8K, "maxdigit": MaxDigit,
          "maxmin": MaxMin, "addition": Addition, "addition_control": AdditionControl, "multiply": Multiply,
-         "guess": Guess, "guess_blind": GuessBlind}
+         "guess": Guess, "guess_blind": GuessBlind, "openenv": OpenEnv}

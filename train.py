@@ -36,10 +36,12 @@ from dataclasses import asdict, dataclass, field, fields, replace  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from torch.nn.utils.rnn import pad_sequence  # noqa: E402
 
 from algos import ESTIMATORS, GROUP_ESTIMATORS, NEEDS_CRITIC, distill  # noqa: E402
 from model import HFPolicy, MLPPolicy, VLLMGenerator  # noqa: E402
-from serve import Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe  # noqa: E402
+from serve import (  # noqa: E402
+    Rejected, Snapshots, TrainerClient, TrainerGone, TrainerServer, describe, host_copy)
 from tasks import TASKS, LLMTask, sample_record  # noqa: E402
 from utils import (  # noqa: E402
     Adam, Logger, all_reduce_grads, all_sum, broadcast_params, init_distributed, local_device, masked_sum)
@@ -61,7 +63,8 @@ class Config:
     algo: str = arg("reinforce", "advantage estimator", ESTIMATORS)
     model: str = arg("", "Hugging Face id or local path (LLM tasks; a tiny one: python model.py DIR)")
     hidden: int = arg(64, "MLP width (control tasks)")
-    data: str = arg("", "local JSONL for data-backed tasks (gsm8k); empty: the Hugging Face hub")
+    data: str = arg("", "local JSONL for data-backed tasks (gsm8k; empty: the Hugging Face hub); openenv: "
+                        "the server's URL")
     # the loop
     steps: int = arg(300, "policy updates at most")
     n_prompts: int = arg(32, "prompts per step over all ranks (control: initial states)")
@@ -106,6 +109,8 @@ class Config:
     max_tool_calls: int = arg(0, "calculator calls per completion; replies are untrained context (0: none)")
     max_turns: int = arg(1, "model turns per episode: the task's environment answers each but the last with "
                             "a user turn, untrained context (1: one turn)")
+    max_turn_tokens: int = arg(0, "a model turn's token cap: a turn that reaches it ends there and the "
+                                  "environment answers (0: only --max-new-tokens caps it)")
     # async: --role trainer learns from the batches --role rollout workers submit (NANORL_TOKEN on both)
     role: str = arg("sync", "sync: rollout and update here; trainer: serve weights, learn from workers' "
                             "batches; rollout: generate for --trainer-url", ["sync", "trainer", "rollout"])
@@ -280,7 +285,8 @@ SHOW = {"control": ["reward", "eval_return", "loss"],
 BOUNDS = [(("steps", "n_prompts", "group_size", "inner_epochs", "hidden", "lora_r", "max_new_tokens",
             "gen_batch", "max_turns"), lambda v: v >= 1, ">= 1"),
           (("micro_batch", "max_grad_norm", "ent_coef", "kl_coef", "vf_coef", "eval_every", "ckpt_every",
-            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls", "distill_coef"),
+            "clip_eps_high", "pass_k", "overlong_cache", "tis_cap", "max_tool_calls", "distill_coef",
+            "max_turn_tokens"),
            lambda v: v >= 0, ">= 0 (0 turns it off)"),
           (("max_staleness",), lambda v: v >= 0, ">= 0 (0: only batches of the current weights)"),
           (("lr", "temperature", "batch_timeout", "lease_timeout"), lambda v: v > 0, "> 0"),
@@ -344,9 +350,10 @@ def llm_rules(cfg):
         (cfg.teacher and cfg.algo != "opd" and not cfg.distill_coef,
          "--teacher is used by --algo opd (the teacher alone) or --distill-coef C > 0 (added to --algo's "
          "advantage): pass one, or drop --teacher"),
-        (llm and cfg.max_turns > 1 and TASKS[cfg.task].respond is LLMTask.respond,
-         f"--max-turns {cfg.max_turns}: --task {cfg.task} has no environment to answer a turn (no "
-         f"respond()): drop --max-turns, or use a task with one (--task guess)"),
+        (llm and (cfg.max_turns > 1 or cfg.max_turn_tokens)
+         and TASKS[cfg.task].environment is LLMTask.environment,
+         f"--max-turns and --max-turn-tokens: --task {cfg.task} has no environment to answer a turn (no "
+         f"environment()): drop them, or use a task with one (--task guess, or openenv --data URL)"),
         (llm and not cfg.model, f"--task {cfg.task} needs --model: a hub id or a local directory (build a "
                                 f"tiny one with: python model.py runs/tiny-lm)"),
         (llm and cfg.model.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(cfg.model)),
@@ -530,15 +537,6 @@ class LastStep:
                 print(f"saved {path} as of step {self.state['step']}, the last finished one", flush=True)
 
 
-def host_copy(x):
-    """Nested tuples, dicts, lists of tensors (an optimizer's state_dict) copied, tensors to the host."""
-    if isinstance(x, (tuple, list)):
-        return type(x)(host_copy(v) for v in x)
-    if isinstance(x, dict):
-        return {k: host_copy(v) for k, v in x.items()}
-    return x.detach().to("cpu", copy=True) if torch.is_tensor(x) else x
-
-
 def evaluate(task, policy, log, rank, world):
     if task.is_llm:                                     # minutes on a big model: say what is happening
         log.info(f"evaluating: {len(task.eval_set)} held-out problems, greedy"
@@ -560,7 +558,8 @@ def group_samples(policy, batch, adv):
 
 
 def make_task(cfg):
-    llm = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns")   # LLM tasks'
+    llm = ("data", "overlong_cache", "max_new_tokens", "pass_k", "max_tool_calls", "max_turns",
+           "max_turn_tokens")                                                    # LLM tasks'
     return TASKS[cfg.task](eval_episodes=cfg.eval_episodes, **{k: getattr(cfg, k) for k in llm if cfg.is_llm})
 
 
@@ -653,7 +652,7 @@ def make_server(cfg, task, policy, world):
 
 def lease_problems(task, cfg, lease, n):
     """A lease's n problems, seeded by it: workers draw different ones, the trainer draws them again."""
-    return task.sample(n, np.random.default_rng([cfg.seed, int(lease[:15] or "0", 16)]))
+    return task.sample(n, np.random.default_rng([cfg.seed, int(lease[:15], 16)]))
 
 
 def rollout_worker(cfg, task, threads):
@@ -716,7 +715,7 @@ def fingerprint(cfg, prompts_per_batch):
     """The settings trainer and workers must share; a worker refuses to run for a trainer that differs."""
     keys = ("seed", "task", "data", "model", "hidden", "lora", "lora_r", "lora_alpha", "lora_targets",
             "group_size", "max_new_tokens", "temperature", "thinking", "overlong_cache", "max_staleness",
-            "max_tool_calls", "max_turns")     # seed: --teacher self's trainer draws a lease's problems again
+            "max_tool_calls", "max_turns", "max_turn_tokens")   # seed: --teacher self's trainer draws again
     return {k: getattr(cfg, k) for k in keys} | {"prompts_per_batch": prompts_per_batch}
 
 
@@ -779,7 +778,7 @@ def wait_for_batches(server, n, version, timeout, stop):
     deadline = time.monotonic() + timeout
     while not stop.asked:
         try:
-            return server.next_batches(n, version, min(1.0, max(deadline - time.monotonic(), 0.0)))
+            return server.next_batches(n, version, min(1.0, deadline - time.monotonic()))
         except TimeoutError:                            # the usable batches it took are back in the queue
             if time.monotonic() >= deadline:
                 return [TimeoutError(f"no worker batch within --batch-timeout {timeout:g} s: start workers "
@@ -802,12 +801,11 @@ def self_taught(policy, task, batch, problems, micro_batch):
     problems: the batch's (async: drawn again from its lease, with the --seed workers share)."""
     G, P = batch.group_size, batch.mask.argmax(1).tolist()                       # [N] prompt lengths
     shown = task.prompt_ids(policy.encode, [p | {"prompt": task.privileged(p)} for p in problems])
-    rows = [(shown[i // G] + ids[p:], [0] * len(shown[i // G]) + m[p:])          # P' + T - P each
+    rows = [(shown[i // G] + ids[p:], [0.0] * len(shown[i // G]) + m[p:])        # P' + T - P each
             for i, (ids, m, p) in enumerate(zip(batch.states.tolist(), batch.mask.tolist(), P))]
-    width = max(len(ids) for ids, _ in rows)                                     # T'
-    states, mask = (torch.tensor([r[k] + [0] * (width - len(r[k])) for r in rows], device=batch.mask.device)
-                    for k in (0, 1))
-    teacher = replace(batch, states=states, mask=mask.float())                   # [N, T'] each
+    states, mask = (pad_sequence([torch.tensor(r[k]) for r in rows], batch_first=True).to(batch.mask.device)
+                    for k in (0, 1))                                             # [N, T'] each, 0-padded
+    teacher = replace(batch, states=states, mask=mask)
     logp = torch.cat([policy.ref_logprobs(teacher[rows]) for rows in teacher.micro_batches(micro_batch)])
     out = torch.zeros_like(batch.mask)                                           # [N, T]
     for i, p in enumerate(P):                           # completion token t: at P + t here, P' + t there
@@ -990,7 +988,7 @@ def load_checkpoint(cfg, policy, opt):
     if unmatched := set(trainable(policy)) ^ set(ck["policy"]):
         raise ValueError(f"--resume {cfg.resume} holds other weights than this model trains (e.g. "
                          f"{sorted(unmatched)[:3]}): same --model and --lora settings?")
-    policy.load_state_dict(ck["policy"], strict=False)
+    set_weights(policy, ck["policy"])
     opt.load_state_dict(ck["optimizer"])
     print(f"resuming {cfg.resume} after step {s}", flush=True)
     return {"step": s, "env_steps": ck["env_steps"]}

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRL_VENV = "/tmp/trl-venv/bin/python"
@@ -175,11 +176,12 @@ def run_trl(name, model, steps, micro_batch, gpu, variant, split):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     sys.path.insert(0, ROOT)
-    from model import encode_prompt
+    from model import _Text
     n_prompts, G, new = SHAPES["gpu" if gpu else "cpu"]
     _, probs = problems(name, n_prompts * steps, new)
     tok = AutoTokenizer.from_pretrained(model)
-    ours = [encode_prompt(tok, p["prompt"], False) for p in probs]   # what NanoRL's policy.encode gives
+    text = SimpleNamespace(tok=tok, thinking=False)
+    ours = [_Text.encode(text, p["prompt"]) for p in probs]          # what NanoRL's policy.encode gives
     chat = bool(tok.chat_template)                      # TRL applies the template to conversational prompts
     prompts = [[{"role": "user", "content": p["prompt"]}] if chat else p["prompt"] for p in probs]
     rng = np.random.default_rng(0)

@@ -191,13 +191,15 @@ class ScriptedLLM:
     def __init__(self, reply):
         self.reply, self.calls, self.eos = reply, [], [0]
 
-    def encode(self, text):
+    def encode(self, text, system=None):
+        assert system is None                                   # no task here asks for a system prompt
         return [ord(c) for c in text]
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids if i != 0)
 
-    def act(self, prompt_ids, group_size, greedy=False, env=None, problems=None):
+    def act(self, prompt_ids, group_size, greedy=False, env=None, episodes=None):
+        assert env is None and episodes is None                 # MaxDigit answers no call and plays no turn
         self.calls.append((len(prompt_ids), group_size, greedy))
         out = []
         for ids in prompt_ids:                                   # prompt-major: all samples of prompt 0 first

@@ -146,8 +146,8 @@ def test_a_lora_run_loads_no_second_model_and_evaluation_never_sees_the_privileg
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: loads.append(a[0]) or load(*a, **k))
     encode = HFPolicy.encode
-    monkeypatch.setattr(HFPolicy, "encode", lambda self, text: rendered.append((bool(evaluating), text))
-                        or encode(self, text))
+    monkeypatch.setattr(HFPolicy, "encode", lambda self, text, system=None: rendered.append(
+        (bool(evaluating), text)) or encode(self, text, system))
     evaluate = Hinted.evaluate
 
     def evaluating_now(self, *args, **kwargs):

@@ -716,9 +716,9 @@ def test_stop_ends_every_connection_even_on_a_loop_starved_of_the_gil(monkeypatc
 
 
 def test_tool_replies_and_turns_are_holes_in_a_completions_mask_and_nothing_else_is(serve):
-    """A tool reply or an environment's user turn is a run of 0s inside a completion (tasks.LLMTask.reply and
-    respond): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or a completion that starts early
-    and so spans more than the budget, get a 400 naming the rule each breaks."""
+    """A tool reply or an environment's user turn is a run of 0s inside a completion (tasks.LLMTask.reply, an
+    episode's environment): accepted up to --max-tool-calls + --max-turns - 1 of them; more, or a completion
+    that starts early and so spans more than the budget, get a 400 naming the rule each breaks."""
     limits = {**LLM_LIMITS, "prompt_len": 2, "max_len": 6, "insertions": 1}     # train.batch_limits: 1 + 1 - 1
     server, client = serve(limits=limits)
     good = make_batch(N=4, T=8, llm=True, seed=1)

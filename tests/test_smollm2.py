@@ -220,12 +220,23 @@ def test_a_calculator_reply_is_trained_as_its_own_ids_not_a_re_tokenization(pol)
     assert pol.tok(pol.decode(ids), add_special_tokens=False)["input_ids"] != ids      # re-tokenizing differs
 
 
-class Retry(Addition):
-    """Addition whose environment (a TEST DOUBLE for a game: no game task here yet) answers every turn with the
-    same user message, so that each episode runs its --max-turns: the turn machinery on a real model."""
+class Again:
+    """An episode's environment (a TEST DOUBLE for a game) that answers every turn with the same user message
+    and no reward, so that each episode runs its --max-turns: the turn machinery on a real model."""
+    message = "Are you sure? Answer again, with the number only."
 
-    def respond(self, problem, text):
-        return "Are you sure? Answer again, with the number only."
+    def reset(self, problem):
+        pass
+
+    def step(self, text):
+        return self.message, None
+
+
+class Retry(Addition):
+    """Addition (scored by its verifier) whose episodes each get an Again environment."""
+
+    def environment(self, problem):
+        return Again()
 
 
 @pytest.mark.slow
@@ -235,10 +246,10 @@ def test_an_environment_turn_is_the_chat_templates_user_turn_then_the_assistant_
     forward over each whole episode gives the sampler's log-probs (the KV cache stayed valid)."""
     task = Retry(eval_episodes=4, max_new_tokens=96, max_turns=2)   # answers: up to ~30 tokens, a turn ~20
     b, row, ids, sampled, k, n = one_insertion(pol, task, "no held-out episode had room for its second turn")
-    message = task.respond(task.eval_set[row], pol.decode(ids[:k]))
-    turn = f"\n<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n"      # SmolLM2's template
+    turn = f"\n<|im_start|>user\n{Again.message}<|im_end|>\n<|im_start|>assistant\n"   # SmolLM2's template
     assert ids[k - 1] == IM_END and sampled[k - 1] and sampled[k + n:].all()
-    assert ids[k:k + n] == pol.tok(turn, add_special_tokens=False)["input_ids"] == pol.turn_ids(message, IM_END)
+    turn_ids = pol.tok(turn, add_special_tokens=False)["input_ids"]
+    assert ids[k:k + n] == turn_ids == pol.turn_ids(Again.message, IM_END)
     assert (pol.logprobs(b)[0] - b.logp).abs().max() < 1e-4
 
 

@@ -94,7 +94,7 @@ class Scripted:
     object because the tiny LM's random weights never write a calculator call; the sampler is the real one."""
 
     def __init__(self, stop, reply):
-        self.tool_stop, self.answer, self.asked, self.max_turns = stop, reply, [], 1
+        self.tool_stop, self.answer, self.asked = stop, reply, []
 
     def reply(self, text):
         self.asked.append(text)

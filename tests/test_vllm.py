@@ -20,8 +20,9 @@ from tasks import GSM8K, GSM8K_PROMPT, Countdown, MaxDigit, Multiply
 
 from test_dist import free_port
 from test_llm import tiny  # noqa: F401  (fixture)
-from test_smollm2 import Retry, smollm2  # noqa: F401  (fixture)
+from test_smollm2 import IM_END, Again, Retry, smollm2  # noqa: F401  (fixture)
 from test_train import ROOT, grads_after
+from test_turns import episodes, spans
 
 EOS = 1                                              # the stand-in vocabulary: 0 pad, 1 EOS, then characters
 NEAR_TIE = 1e-3                                      # logits: fp32 vLLM and HF differ by ~1e-5 here
@@ -99,8 +100,9 @@ def test_max_model_len_is_the_prompt_budget_plus_max_new_tokens_within_the_posit
         vllm_max_model_len(config, 300, 256)
 
 
-def as_bytes(text):
+def as_bytes(text, system=None):
     """A stand-in tokenizer, one id per UTF-8 byte: the budget arithmetic does not depend on the tokenizer."""
+    assert system is None                               # these tasks have no system prompt
     return list(text.encode())
 
 
@@ -182,12 +184,13 @@ def serve(engine, hf, version):
 PROMPTS = ["What is 2+3?", "Name a colour.", "Write the word hello.", "Count from 1 to 5."]
 
 
-def greedy_report(engine, hf, ids, env=None, problems=None):
+def greedy_report(engine, hf, ids, env=None, fresh=lambda: None):
     """Greedy completions of both engines -> (number equal, near-ties, HF's completions). Where they differ,
-    HF's top-2 margin at the first differing position must be a genuine near-tie (< NEAR_TIE), else it fails."""
+    HF's top-2 margin at the first differing position must be a genuine near-tie (< NEAR_TIE), else it fails.
+    fresh(): the episodes each engine plays (their environments keep state), or None."""
     equal, ties = 0, []
-    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True, env=env, problems=problems)]
-    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True, env=env, problems=problems), ours)):
+    ours = [c.tolist() for c, *_ in hf.act(ids, 1, greedy=True, env=env, episodes=fresh())]
+    for i, ((a, *_), b) in enumerate(zip(engine.act(ids, 1, greedy=True, env=env, episodes=fresh()), ours)):
         a = a.tolist()
         if a == b:
             equal += 1
@@ -247,11 +250,12 @@ def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
     episodes, the inserted turns at the same places (near-ties reported, as above)."""
     task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3)
     ids = task.prompt_ids(hf.encode, task.eval_set)
+    fresh = lambda: episodes([task.environment(p) for p in task.eval_set], task.max_turns)
     random_adapter(hf, seed=0, scale=0.0)
     engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 120, 120
     try:
-        equal, ties, _ = greedy_report(engine, hf, ids, task, task.eval_set)
-        theirs = engine.act(ids, 1, greedy=True, env=task, problems=task.eval_set)
+        equal, ties, _ = greedy_report(engine, hf, ids, task, fresh)
+        theirs = engine.act(ids, 1, greedy=True, env=task, episodes=fresh())
     finally:
         engine.max_new_tokens = hf.max_new_tokens = 12
     turns = [len([t for t, own in zip(c.tolist(), s.tolist()) if own and t in hf.eos]) for c, _, s, _ in theirs]
@@ -260,8 +264,37 @@ def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
     for c, lp, sampled, _ in theirs:
         assert (lp[~sampled] == 0).all() and (lp[sampled] < 0).all()
         for k in (~sampled).int().diff(prepend=torch.zeros(1, dtype=torch.int)).eq(1).nonzero()[:, 0].tolist():
-            message = hf.turn_ids(task.respond(None, ""), c[k - 1].item())    # after the id that ended it
+            message = hf.turn_ids(Again.message, c[k - 1].item())              # after the id that ended it
             assert c[k - 1].item() in hf.eos and c[k:k + len(message)].tolist() == message
+
+
+def test_greedy_episodes_of_turns_cut_at_max_turn_tokens_of_vllm_equal_greedy_hf(engine, hf):
+    """--max-turn-tokens 8: vLLM asks a turn's request for at most the turn's remaining tokens, HFPolicy
+    counts them in its loop. Token for token the same 3-turn episodes (near-ties reported, as above); no turn
+    of the model longer than 8 ids, and a turn cut there followed by <|im_end|>, the user turn and the
+    header."""
+    task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3, max_turn_tokens=8)
+    ids = task.prompt_ids(hf.encode, task.eval_set)
+    fresh = lambda: episodes([task.environment(p) for p in task.eval_set], task.max_turns)
+    random_adapter(hf, seed=0, scale=0.0)
+    engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 120, 120
+    try:
+        equal, ties, _ = greedy_report(engine, hf, ids, task, fresh)
+        theirs = engine.act(ids, 1, greedy=True, env=task, episodes=fresh())
+    finally:
+        engine.max_new_tokens = hf.max_new_tokens = 12
+    after = [IM_END] + hf.turn_ids(Again.message, IM_END)        # after a turn that ended without its end id
+    cut = 0
+    for c, lp, sampled, truncated in theirs:
+        c = c.tolist()
+        assert not truncated and len(spans(sampled)) == 3 and (lp[~sampled] == 0).all()
+        for a, e in spans(sampled):
+            assert e - a <= 8
+            if c[e - 1] != IM_END and e < len(c):
+                cut += 1
+                assert c[e:e + len(after)] == after
+    print(f"capped turns: {cut} of {3 * len(ids)}")
+    assert equal >= len(ids) - 1 and cut >= len(ids)
 
 
 def test_sampled_logprobs_follow_every_adapter_version(engine, hf):

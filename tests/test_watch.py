@@ -100,7 +100,9 @@ VOCAB = ["", "", ""] + list("0123456789 =,")          # make_tiny_lm's ids: 3 sp
 
 def test_a_tool_reply_and_a_user_turn_are_marked_in_their_sample():
     """The tiny LM's tokenizer, with ',' as its end-of-turn id: an inserted run after a call is a tool reply, one
-    after an end of turn is the user's turn; the episode's turns alternate, the replies inside the assistant's."""
+    after an end of turn, or starting with an end id (a turn cut at --max-turn-tokens: the template's end id
+    comes first), is the user's turn; the episode's turns, from the prompt (the user's) on, alternate, the
+    replies inside the assistant's."""
     decode = lambda ids: "".join(VOCAB[i] for i in ids)
     policy = SimpleNamespace(decode=decode, eos=[1, VOCAB.index(",")])
     ids = torch.tensor([VOCAB.index(c) for c in "12=144 9=81 1"])
@@ -114,9 +116,15 @@ def test_a_tool_reply_and_a_user_turn_are_marked_in_their_sample():
     sampled = torch.tensor([kind == "s" for text, kind in pieces for _ in text])
     assert sample_record(policy, "p", ids, sampled) == {
         "prompt": "p", "completion": "5,9 86=36 1,7 4", "tool_replies": ["36"],
-        "turns": [{"role": "assistant", "text": "5,"}, {"role": "user", "text": "9 8"},
-                  {"role": "assistant", "text": "6=36 1,"}, {"role": "user", "text": "7 "},
-                  {"role": "assistant", "text": "4"}]}
+        "turns": [{"role": "user", "text": "p"}, {"role": "assistant", "text": "5,"},
+                  {"role": "user", "text": "9 8"}, {"role": "assistant", "text": "6=36 1,"},
+                  {"role": "user", "text": "7 "}, {"role": "assistant", "text": "4"}]}
+    # a capped turn '5 5', then <|endoftext|> (id 1, decoded '') and the user's '9 8' inserted, then '4'
+    ids = torch.tensor([VOCAB.index(c) for c in "5 5"] + [1] + [VOCAB.index(c) for c in "9 84"])
+    sampled = torch.tensor([True] * 3 + [False] * 4 + [True])
+    assert sample_record(policy, "p", ids, sampled)["turns"] == [
+        {"role": "user", "text": "p"}, {"role": "assistant", "text": "5 5"}, {"role": "user", "text": "9 8"},
+        {"role": "assistant", "text": "4"}]
 
 
 # ---- trackers: every CSV row, read back from each library's own files ----

@@ -16,7 +16,7 @@ from train import Config, make_policy, make_task, read_checkpoint  # noqa: E402
 
 def report(name, task, policy):
     out = task.evaluate(policy)
-    turns = np.array([len(r.get("tool_replies", [])) + 1 for r in out["samples"]])   # no tools: turns - 1
+    turns = np.array([len(r["turns"]) // 2 if "turns" in r else 1 for r in out["samples"]])  # user, assistant
     solved = np.array([r["correct"] for r in out["samples"]])
     print(f"{name}: eval_acc {out['eval_acc']:.3f}, turns per episode {turns.mean():.2f}, per solved episode "
           f"{turns[solved].mean() if solved.any() else float('nan'):.2f}; solved by turn 1, 2, 3: "
