@@ -244,23 +244,30 @@ def test_greedy_multi_turn_vllm_equals_greedy_hf(engine, hf):
             assert hf.decode(c[:k].tolist()).endswith("=") and task.reply(hf.decode(c[:k].tolist()))
 
 
-def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
-    """vLLM stops at <|im_end|>, the chat template's user turn and assistant header are appended as ids and a
-    new request goes on from them; HFPolicy feeds the same ids in its loop. Token for token the same 3-turn
-    episodes, the inserted turns at the same places (near-ties reported, as above)."""
-    task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3)
+def greedy_turns(engine, hf, task):
+    """task's held-out episodes of turns, greedy, 120 new tokens, the base model: (how many of them vLLM and
+    HFPolicy play token for token the same, vLLM's samples)."""
     ids = task.prompt_ids(hf.encode, task.eval_set)
     fresh = lambda: episodes([task.environment(p) for p in task.eval_set], task.max_turns)
     random_adapter(hf, seed=0, scale=0.0)
     engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 120, 120
     try:
         equal, ties, _ = greedy_report(engine, hf, ids, task, fresh)
-        theirs = engine.act(ids, 1, greedy=True, env=task, episodes=fresh())
+        return equal, engine.act(ids, 1, greedy=True, env=task, episodes=fresh())
     finally:
         engine.max_new_tokens = hf.max_new_tokens = 12
+
+
+def test_greedy_3_turn_episodes_of_vllm_equal_greedy_hf(engine, hf):
+    """vLLM stops at <|im_end|>, the chat template's user turn and assistant header are appended as ids and a
+    new request goes on from them; HFPolicy feeds the same ids in its loop. Token for token the same 3-turn
+    episodes, the inserted turns at the same places (near-ties reported, as above)."""
+    task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3)
+    n = len(task.eval_set)
+    equal, theirs = greedy_turns(engine, hf, task)
     turns = [len([t for t, own in zip(c.tolist(), s.tolist()) if own and t in hf.eos]) for c, _, s, _ in theirs]
-    print(f"3 turns: {turns.count(3)}/{len(ids)} greedy episodes; turns {turns}")
-    assert equal >= len(ids) - 1 and turns.count(3) >= len(ids) // 2
+    print(f"3 turns: {turns.count(3)}/{n} greedy episodes; turns {turns}")
+    assert equal >= n - 1 and turns.count(3) >= n // 2
     for c, lp, sampled, _ in theirs:
         assert (lp[~sampled] == 0).all() and (lp[sampled] < 0).all()
         for k in (~sampled).int().diff(prepend=torch.zeros(1, dtype=torch.int)).eq(1).nonzero()[:, 0].tolist():
@@ -274,15 +281,8 @@ def test_greedy_episodes_of_turns_cut_at_max_turn_tokens_of_vllm_equal_greedy_hf
     of the model longer than 8 ids, and a turn cut there followed by <|im_end|>, the user turn and the
     header."""
     task = Retry(eval_episodes=4, max_new_tokens=120, max_turns=3, max_turn_tokens=8)
-    ids = task.prompt_ids(hf.encode, task.eval_set)
-    fresh = lambda: episodes([task.environment(p) for p in task.eval_set], task.max_turns)
-    random_adapter(hf, seed=0, scale=0.0)
-    engine.lora, engine.max_new_tokens, hf.max_new_tokens = None, 120, 120
-    try:
-        equal, ties, _ = greedy_report(engine, hf, ids, task, fresh)
-        theirs = engine.act(ids, 1, greedy=True, env=task, episodes=fresh())
-    finally:
-        engine.max_new_tokens = hf.max_new_tokens = 12
+    n = len(task.eval_set)
+    equal, theirs = greedy_turns(engine, hf, task)
     after = [IM_END] + hf.turn_ids(Again.message, IM_END)        # after a turn that ended without its end id
     cut = 0
     for c, lp, sampled, truncated in theirs:
@@ -293,8 +293,8 @@ def test_greedy_episodes_of_turns_cut_at_max_turn_tokens_of_vllm_equal_greedy_hf
             if c[e - 1] != IM_END and e < len(c):
                 cut += 1
                 assert c[e:e + len(after)] == after
-    print(f"capped turns: {cut} of {3 * len(ids)}")
-    assert equal >= len(ids) - 1 and cut >= len(ids)
+    print(f"capped turns: {cut} of {3 * n}")
+    assert equal >= n - 1 and cut >= n
 
 
 def test_sampled_logprobs_follow_every_adapter_version(engine, hf):
